@@ -1,0 +1,1 @@
+"""anchor_rl.models"""
