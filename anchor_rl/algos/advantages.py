@@ -1,0 +1,180 @@
+"""Outcome and token-level advantage estimators.
+
+Shapes: ``B`` responses, ``T`` response tokens. ``rewards`` is a float tensor ``[B]`` of
+outcome rewards; ``index`` is an integer tensor ``[B]`` of group ids (one group per prompt;
+any integers, not necessarily contiguous or sorted); ``mask`` is a 0/1 float tensor
+``[B, T]`` marking the policy's own tokens (0 for padding and for tool output inside a
+multi-turn response).
+
+Every estimator is a pure function; outputs are constants (they never carry gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from anchor_rl.algos.gae import gae
+
+__all__ = [
+    "grpo",
+    "outcome_to_token_rewards",
+    "pvpo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
+]
+
+
+def _check_outcome(rewards: Tensor, index: Tensor) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a float tensor, got {rewards.dtype}")
+    if index.shape != rewards.shape:
+        raise ValueError(
+            f"index must have the shape of rewards {tuple(rewards.shape)}, got {tuple(index.shape)}"
+        )
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise ValueError(f"index must be an integer tensor of group ids, got {index.dtype}")
+
+
+def _check_token(name: str, x: Tensor, mask: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(x.shape)}")
+    if mask.shape != x.shape:
+        raise ValueError(
+            f"mask must have the shape of {name} {tuple(x.shape)}, got {tuple(mask.shape)}"
+        )
+
+
+def _group_centre(rewards: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Return ``(r - group mean)[B]``, the group of each row ``[B]`` and group sizes ``[G]``."""
+    _, group, counts = torch.unique(index, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device)
+    sums.index_add_(0, group, rewards)
+    mean = sums / counts.to(rewards.dtype)
+    return rewards - mean[group], group, counts
+
+
+def grpo(rewards: Tensor, index: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO group-normalised advantage ``[B]``.
+
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased (n - 1) standard deviation of
+    the rewards in the group ``g`` of response ``i``; with ``scale_by_std=False`` (Dr. GRPO)
+    ``A_i = r_i - mean_g``. A group of size 1 has advantage 0 (it has no baseline to
+    compare against).
+    """
+    _check_outcome(rewards, index)
+    centred, group, counts = _group_centre(rewards, index)
+    if not scale_by_std:
+        return centred
+    sq = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device)
+    sq.index_add_(0, group, centred.square())
+    # size-1 groups: sq = 0 and centred = 0, so the clamp only avoids 0/0.
+    std = (sq / (counts - 1).clamp(min=1).to(rewards.dtype)).sqrt()
+    return centred / (std[group] + eps)
+
+
+def rloo(rewards: Tensor, index: Tensor) -> Tensor:
+    """REINFORCE leave-one-out advantage ``[B]``.
+
+    ``A_i = r_i - mean of the other n - 1 rewards of the group = n/(n-1) * (r_i - mean_g)``.
+    A group of size 1 has advantage 0.
+    """
+    _check_outcome(rewards, index)
+    centred, group, counts = _group_centre(rewards, index)
+    n = counts[group].to(rewards.dtype)
+    scale = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.zeros_like(n))
+    return centred * scale
+
+
+def pvpo(rewards: Tensor, anchor: Tensor) -> Tensor:
+    """PVPO static-anchor advantage ``[B]``: ``A_i = r_i - V_sta(prompt_i)``, no std scaling.
+
+    ``anchor[B]`` holds, for each response, the anchor value of its prompt (the mean reward
+    of the reference policy's presampled rollouts).
+    """
+    if rewards.dim() != 1 or anchor.shape != rewards.shape:
+        raise ValueError(
+            "rewards and anchor must both be 1-D [B] of the same shape, got "
+            f"{tuple(rewards.shape)} and {tuple(anchor.shape)}"
+        )
+    return rewards - anchor.to(rewards.dtype)
+
+
+def outcome_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Place each outcome reward on its response's last policy token: ``[B] -> [B, T]``.
+
+    The last policy token is the last position with ``mask > 0``; every other position is 0.
+    A row with no policy token has no action to credit and gets an all-zero row.
+    """
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"expected rewards [B] and mask [B, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}"
+        )
+    keep = mask > 0
+    T = mask.shape[1]
+    last = (T - 1) - keep.flip(-1).to(torch.int8).argmax(dim=-1)
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    value = torch.where(keep.any(dim=-1), rewards, torch.zeros_like(rewards))
+    return out.scatter_(1, last.unsqueeze(1), value.unsqueeze(1))
+
+
+def _masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the tokens with ``mask > 0``; 0 elsewhere.
+
+    Mean and unbiased variance are taken over all masked tokens of the batch.
+    """
+    keep = mask > 0
+    n = keep.sum().to(x.dtype)
+    if n == 0:
+        return torch.zeros_like(x)
+    xm = torch.where(keep, x, 0)
+    mean = xm.sum() / n
+    var = torch.where(keep, x - mean, 0).square().sum() / (n - 1).clamp(min=1)
+    return torch.where(keep, (x - mean) * torch.rsqrt(var + eps), 0)
+
+
+def reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++ advantage ``[B, T]``: discounted token returns whitened over the batch.
+
+    ``G_t = sum_{s >= t} gamma^(n(s) - n(t)) r_s`` over the policy tokens ``s`` of the same
+    response (``n`` counts policy tokens, so tool output inside a response is skipped and
+    rewards under ``mask == 0`` are ignored; see :func:`anchor_rl.algos.gae.gae`). The
+    returns are then whitened, ``(G - mean) / sqrt(var + 1e-8)``, with the mean and unbiased
+    variance over every policy token of the batch. 0 under ``mask == 0``.
+
+    The caller folds the KL penalty into ``token_rewards`` (``-beta * kl`` per token) and
+    puts the outcome reward on the last policy token (:func:`outcome_to_token_rewards`).
+    """
+    _check_token("token_rewards", token_rewards, mask)
+    _, returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
+    return _masked_whiten(returns, mask)
+
+
+def reinforce_pp_baseline(
+    rewards: Tensor,
+    index: Tensor,
+    mask: Tensor,
+    dense_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+) -> Tensor:
+    """REINFORCE++ with a group baseline, ``[B, T]``.
+
+    Subtract the group mean from the outcome rewards ``[B]``, place the centred reward on
+    each response's last policy token, add the optional per-token ``dense_rewards[B, T]``
+    (e.g. ``-beta * kl``), then proceed as :func:`reinforce_pp` (discounted returns,
+    whitened over the batch). With no dense rewards and ``gamma = 1`` every policy token of
+    response ``i`` gets the whitened value of ``r_i - mean_g``.
+    """
+    _check_outcome(rewards, index)
+    if mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"mask must be [B, T] with B = {rewards.shape[0]}, got {tuple(mask.shape)}"
+        )
+    token_rewards = outcome_to_token_rewards(grpo(rewards, index, scale_by_std=False), mask)
+    if dense_rewards is not None:
+        _check_token("dense_rewards", dense_rewards, mask)
+        token_rewards = token_rewards + dense_rewards.to(token_rewards.dtype)
+    return reinforce_pp(token_rewards, mask, gamma)
