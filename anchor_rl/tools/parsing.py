@@ -1,0 +1,49 @@
+"""Tool-call parsing and tool-result formatting for the agent loop.
+
+A tool call is ``<{tag}>query</{tag}>`` in the policy's text; the environment answers
+with ``format_result(output)`` appended right after the close tag, no whitespace.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+_TAG_LIKE = re.compile(r"</?[A-Za-z_][\w-]*>")
+
+
+def parse_tool_call(text: str, tags: Iterable[str]) -> tuple[str, str] | None:
+    """The last complete tool call in ``text`` as ``(tag, query)``, or None.
+
+    Complete means closed: the call whose ``</tag>`` comes last among ``tags``, with the
+    query read from the last ``<tag>`` before it and stripped. A close tag without an
+    opening tag before it is no call. The agent loop passes the text of the turn that
+    just ended on a close tag, so the last call is the pending one.
+    """
+    best: tuple[int, str, str] | None = None
+    for tag in tags:
+        close = f"</{tag}>"
+        end = text.rfind(close)
+        if end < 0 or (best is not None and end < best[0]):
+            continue
+        start = text.rfind(f"<{tag}>", 0, end)
+        if start < 0:
+            continue
+        best = (end, tag, text[start + len(tag) + 2 : end].strip())
+    return None if best is None else (best[1], best[2])
+
+
+def format_result(text: str, max_chars: int | None = None) -> str:
+    """``<result>text</result>``, with tag-like substrings removed from ``text``.
+
+    Removing ``<...>`` tags keeps a document from closing the block early or injecting
+    an answer. With ``max_chars``, text longer than that is cut to ``max_chars`` characters
+    ending in ``...``.
+    """
+    text = _TAG_LIKE.sub("", text)
+    if max_chars is not None and len(text) > max_chars:
+        if max_chars < 3:
+            raise ValueError(f"max_chars must be >= 3, got {max_chars}")
+        text = text[: max_chars - 3] + "..."
+    return f"{RESULT_OPEN}{text}{RESULT_CLOSE}"
