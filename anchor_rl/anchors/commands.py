@@ -1,0 +1,366 @@
+"""``anchor-rl presample`` and ``anchor-rl anchors {export,keys,filter}``.
+
+torch and transformers are imported inside the commands so ``anchor-rl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from anchor_rl.anchors.keys import AnchorKey
+    from anchor_rl.anchors.store import AnchorStat
+    from anchor_rl.anchors.teachers import Teacher
+    from anchor_rl.rollout.types import SamplingParams
+    from anchor_rl.tasks.base import Record, Task
+
+anchors_app = typer.Typer(
+    help="Inspect the anchor store and run PVPO group sampling.", no_args_is_help=True
+)
+
+ModelOpt = Annotated[
+    str,
+    typer.Option("--model", help="Reference policy: a model directory, sft:SIZE or random:SIZE."),
+]
+TaskOpt = Annotated[str, typer.Option(help="Task name (see anchor_rl.tasks.get_task).")]
+TaskKwargsOpt = Annotated[
+    str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
+]
+MOpt = Annotated[int, typer.Option("--m", min=1, help="Reference rollouts per prompt (M).")]
+DbOpt = Annotated[
+    Path | None,
+    typer.Option(help="Anchor store file. Default: $ANCHOR_RL_CACHE/anchors.db."),
+]
+SplitOpt = Annotated[str, typer.Option(help="Records split to presample.")]
+LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N records of the split.")]
+TemperatureOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature.")]
+TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
+MaxNewOpt = Annotated[
+    int, typer.Option(min=1, help="Token budget per response (tool output included).")
+]
+MaxTurnsOpt = Annotated[int, typer.Option(min=0, help="Most tool calls per response.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling (and of a random:SIZE init).")]
+DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
+
+
+@dataclass
+class _Setup:
+    model: Any
+    tokenizer: Any
+    task: Task
+    task_name: str
+    task_id: str
+    task_kwargs: dict[str, Any]
+    records: list[Record]
+    params: SamplingParams
+    key: AnchorKey
+    db: Path
+
+
+def _setup(
+    model: str,
+    task: str,
+    task_kwargs: str | None,
+    split: str,
+    limit: int | None,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    max_turns: int,
+    seed: int,
+    device: str,
+    db: Path | None,
+) -> _Setup:
+    from anchor_rl.anchors.keys import task_identity
+    from anchor_rl.anchors.presample import presample_key, task_params
+    from anchor_rl.models.commands import parse_task_kwargs
+    from anchor_rl.models.sft import cache_root
+    from anchor_rl.rollout.types import SamplingParams
+    from anchor_rl.tasks import get_task
+    from anchor_rl.trainer.policy import frozen, load_spec
+
+    kwargs = parse_task_kwargs(task_kwargs)
+    try:
+        task_obj = get_task(task, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--task") from exc
+    if split not in ("train", "test"):
+        raise typer.BadParameter(
+            f"unknown split {split!r}; choose train or test", param_hint="--split"
+        )
+    records = task_obj.records(split)[:limit]
+    try:
+        policy, tokenizer = load_spec(model, task, kwargs, seed, device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    params = task_params(
+        SamplingParams(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, max_turns=max_turns
+        ),
+        task_obj,
+    )
+    task_id = task_identity(task, task_obj, kwargs)
+    key = presample_key(frozen(policy), tokenizer, params, task_id)
+    return _Setup(
+        policy,
+        tokenizer,
+        task_obj,
+        task,
+        task_id,
+        kwargs,
+        records,
+        params,
+        key,
+        db or cache_root() / "anchors.db",
+    )
+
+
+def _distribution_table(stats: dict[str, AnchorStat], title: str) -> Any:
+    from rich.table import Table
+
+    from anchor_rl.anchors.filter import PAPER_DISTRIBUTIONS
+
+    total = max(len(stats), 1)
+    counts = [
+        sum(s.none_correct for s in stats.values()),
+        sum(not s.none_correct and not s.all_correct for s in stats.values()),
+        sum(s.all_correct for s in stats.values()),
+    ]
+    table = Table(title=title)
+    table.add_column("reference accuracy")
+    table.add_column("prompts", justify="right")
+    table.add_column("fraction", justify="right")
+    for name in PAPER_DISTRIBUTIONS:
+        table.add_column(f"paper: {name}", justify="right")
+    for i, label in enumerate(["acc = 0", "0 < acc < 1", "acc = 1"]):
+        paper = (f"{PAPER_DISTRIBUTIONS[name][i]:.1%}" for name in PAPER_DISTRIBUTIONS)
+        table.add_row(label, str(counts[i]), f"{counts[i] / total:.1%}", *paper)
+    return table
+
+
+def presample_command(
+    model: ModelOpt,
+    task: TaskOpt = "arithmetic",
+    task_kwargs: TaskKwargsOpt = None,
+    m: MOpt = 8,
+    db: DbOpt = None,
+    split: SplitOpt = "train",
+    limit: LimitOpt = None,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Prompts per sampling call (each gets M rollouts).")
+    ] = 16,
+    temperature: TemperatureOpt = 1.0,
+    top_p: TopPOpt = 1.0,
+    max_new_tokens: MaxNewOpt = 64,
+    max_turns: MaxTurnsOpt = 4,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    export: Annotated[
+        Path | None, typer.Option(help="Also export this key's anchors (.jsonl or .parquet).")
+    ] = None,
+) -> None:
+    """Roll the reference policy out M times per prompt and store each prompt's anchor.
+
+    Stores per prompt: mean reward (PVPO's static anchor), accuracy, number of rollouts and
+    times, under a key hashing the model weights, tokenizer, sampling settings and task.
+    Interrupt it at any time: running the same command again only samples what is missing.
+    """
+    from rich.console import Console
+
+    from anchor_rl.anchors.presample import RolloutSampler, presample
+    from anchor_rl.anchors.store import AnchorStore
+    from anchor_rl.rollout.engine import HFEngine
+
+    s = _setup(
+        model,
+        task,
+        task_kwargs,
+        split,
+        limit,
+        temperature,
+        top_p,
+        max_new_tokens,
+        max_turns,
+        seed,
+        device,
+        db,
+    )
+    console = Console()
+    console.print(
+        f"presample {task}/{split}: {len(s.records)} prompts x M={m} into {s.db} (key {s.key.digest})"
+    )
+    sampler = RolloutSampler(HFEngine(s.model, s.tokenizer), s.task, s.params)
+    with AnchorStore(s.db) as store:
+        result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
+        stats = store.get_anchors(s.key, [r.id for r in s.records])
+        if export is not None:
+            rows = store.export(export, key=s.key)
+            console.print(f"exported {rows} rows to {export}")
+    mean = sum(st.mean for st in stats.values()) / max(len(stats), 1)
+    console.print(
+        f"sampled {result.rollouts} rollouts for {result.prompts_sampled} prompts "
+        f"({result.prompts_reused} already done); mean anchor {mean:.4f}"
+    )
+    console.print(
+        _distribution_table(stats, f"reference accuracy over {len(stats)} prompts (M = {m})")
+    )
+
+
+@anchors_app.command("export")
+def export_command(
+    db: Annotated[Path, typer.Argument(help="Anchor store file.", exists=True, dir_okay=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output file: .jsonl or .parquet.")],
+    table: Annotated[
+        str, typer.Option(help="stats (anchors) or trajectories (teacher).")
+    ] = "stats",
+    key: Annotated[str | None, typer.Option(help="Only rows under this key digest.")] = None,
+) -> None:
+    """Export anchors or teacher trajectories for inspection, joined with their key's fields."""
+    from anchor_rl.anchors.store import AnchorStore
+
+    if table not in ("stats", "trajectories"):
+        raise typer.BadParameter(
+            f"unknown table {table!r}; choose stats or trajectories", param_hint="--table"
+        )
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise typer.BadParameter(f"{out} must end in .jsonl or .parquet", param_hint="--out")
+    with AnchorStore(db) as store:
+        rows = store.export(out, table=table, key=key)  # type: ignore[arg-type]
+    typer.echo(f"{rows} rows -> {out}")
+
+
+@anchors_app.command("keys")
+def keys_command(
+    db: Annotated[Path, typer.Argument(help="Anchor store file.", exists=True, dir_okay=False)],
+) -> None:
+    """List the keys in a store: digest, tag, task, row counts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from anchor_rl.anchors.store import AnchorStore
+
+    with AnchorStore(db) as store:
+        keys = store.keys()
+    table = Table(title=str(db))
+    for col in ("digest", "tag", "model", "sampling", "stats", "trajectories"):
+        table.add_column(col, overflow="fold")
+    for k in keys:
+        table.add_row(
+            k["digest"],
+            k["tag"],
+            k["model"][:24],
+            k["sampling"],
+            str(k["stats"]),
+            str(k["trajectories"]),
+        )
+    Console().print(table)
+
+
+def _teacher(
+    spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
+) -> Teacher:
+    from anchor_rl.anchors.teachers import HFTeacher, OpenAITeacher, OracleTeacher
+    from anchor_rl.trainer.policy import frozen, load_spec
+
+    if spec == "oracle":
+        return OracleTeacher(s.task, s.tokenizer, s.model)
+    kind, _, target = spec.partition(":")
+    if kind == "hf" and target:
+        model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)
+        return HFTeacher(
+            frozen(model), tokenizer, s.task, s.tokenizer, s.params, tries=tries, seed=seed
+        )
+    if kind == "http" and target:
+        if not teacher_model:
+            raise typer.BadParameter(
+                "an http teacher needs --teacher-model (the served model name)"
+            )
+        return OpenAITeacher(target, teacher_model, s.task, s.tokenizer, s.params, tries=tries)
+    raise typer.BadParameter(
+        f"unknown teacher {spec!r}; use oracle, hf:MODEL (a model directory or spec) or http:URL (e.g. "
+        "http://127.0.0.1:8000/v1)",
+        param_hint="--teacher",
+    )
+
+
+@anchors_app.command("filter")
+def filter_command(
+    model: ModelOpt,
+    task: TaskOpt = "arithmetic",
+    task_kwargs: TaskKwargsOpt = None,
+    db: DbOpt = None,
+    split: SplitOpt = "train",
+    limit: LimitOpt = None,
+    temperature: TemperatureOpt = 1.0,
+    top_p: TopPOpt = 1.0,
+    max_new_tokens: MaxNewOpt = 64,
+    max_turns: MaxTurnsOpt = 4,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    teacher: Annotated[
+        str | None,
+        typer.Option(
+            help="Teacher for accuracy-0 prompts: oracle, hf:MODEL or http:URL. None: drop them."
+        ),
+    ] = None,
+    teacher_model: Annotated[
+        str | None, typer.Option(help="Served model name of an http teacher.")
+    ] = None,
+    tries: Annotated[int, typer.Option(min=1, help="Most teacher samples per prompt.")] = 8,
+    keep_unsolved: Annotated[
+        bool, typer.Option(help="Keep accuracy-0 prompts no teacher solved.")
+    ] = False,
+    stats_out: Annotated[
+        Path | None, typer.Option(help="Write the filter statistics here (JSON).")
+    ] = None,
+) -> None:
+    """PVPO group sampling over presampled anchors (same model/sampling options as presample).
+
+    Drops prompts the reference always solves, keeps 0 < acc < 1, asks the teacher for a
+    correct trajectory on acc = 0 (cached in the store) and prints the statistics beside
+    the paper's reference distributions.
+    """
+    from rich.console import Console
+
+    from anchor_rl.anchors.filter import group_filter
+    from anchor_rl.anchors.store import AnchorStore
+    from anchor_rl.anchors.teachers import teacher_key
+
+    s = _setup(
+        model,
+        task,
+        task_kwargs,
+        split,
+        limit,
+        temperature,
+        top_p,
+        max_new_tokens,
+        max_turns,
+        seed,
+        device,
+        db,
+    )
+    with AnchorStore(s.db) as store:
+        stats = store.get_anchors(s.key, [r.id for r in s.records])
+        if len(stats) < len(s.records):
+            raise typer.BadParameter(
+                f"{len(s.records) - len(stats)} of {len(s.records)} prompts have no anchors under key "
+                f"{s.key.digest} in {s.db}: run `anchor-rl presample` with the same options first"
+            )
+        t = _teacher(teacher, teacher_model, tries, s, seed, device) if teacher else None
+        key = teacher_key(t, s.task_id) if t is not None else None
+        result = group_filter(
+            s.records,
+            stats,
+            teacher=t,
+            store=store if t else None,
+            key=key,
+            keep_unsolved=keep_unsolved,
+        )
+    result.print(Console())
+    if stats_out is not None:
+        typer.echo(f"statistics -> {result.stats.save(stats_out)}")

@@ -1,0 +1,303 @@
+"""Presampling: roll a reference policy out M times per prompt and store the statistics.
+
+The core, :func:`presample`, is generic over a *sampler*, any function
+``sampler(records, n, seed) -> (rewards[P, n], correct[P, n])``. :class:`RolloutSampler`
+is the real one (a rollout engine plus the task's verifier); tests use fakes.
+
+Resumable by construction: prompts are sampled in batches and each batch is stored in
+one transaction, so after a crash the prompts that already have M rollouts under the
+key are skipped and a prompt with fewer (only possible after raising M) is topped up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from torch import Tensor
+
+from anchor_rl.anchors.keys import (
+    AnchorKey,
+    fingerprint_model,
+    fingerprint_tokenizer,
+    sampling_settings,
+)
+from anchor_rl.anchors.store import AnchorStat, AnchorStore
+from anchor_rl.tasks.base import Record, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from anchor_rl.rollout.engine import HFEngine
+    from anchor_rl.rollout.types import SamplingParams
+
+__all__ = [
+    "PresampleResult",
+    "RefreshMode",
+    "RefreshResult",
+    "RolloutSampler",
+    "Sampler",
+    "presample",
+    "presample_key",
+    "refresh_anchors",
+    "refresh_key",
+    "task_params",
+]
+
+Sampler = Callable[[Sequence[Record], int, int], tuple[Tensor, Tensor]]
+"""``sampler(records, n, seed) -> (rewards[P, n] float, correct[P, n] bool)``: n rollouts of
+each of the P records, scored by the task. ``seed`` seeds this call's randomness."""
+
+RefreshMode = Literal["reference", "policy"]
+
+
+@dataclass(frozen=True)
+class PresampleResult:
+    """What one :func:`presample` call did.
+
+    rollouts: responses sampled by this call (what it cost).
+    prompts_sampled: prompts that got new rollouts.
+    prompts_reused: prompts that already had M rollouts under the key.
+    prompts_discarded: sampled prompts whose rollouts were not stored because another
+        process stored rollouts for them meanwhile (their cost is still in ``rollouts``).
+    """
+
+    key: str
+    rollouts: int
+    prompts_sampled: int
+    prompts_reused: int
+    prompts_discarded: int = 0
+
+
+def _batch_seed(seed: int, key: str, batch: Sequence[tuple[str, int]], n: int) -> int:
+    """A 63-bit seed from the base seed, the key and the batch's (prompt id, rollouts so far)."""
+    text = f"{seed}|{key}|{n}|" + "|".join(f"{pid}:{have}" for pid, have in batch)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def presample(
+    records: Sequence[Record],
+    sampler: Sampler,
+    store: AnchorStore,
+    key: AnchorKey,
+    m: int,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> PresampleResult:
+    """Make sure every record has at least ``m`` rollouts stored under ``key``.
+
+    Records are sampled ``batch_size`` prompts per sampler call (``batch_size * need``
+    responses); each call's statistics are stored in one transaction. Records that
+    already have ``n >= m`` rollouts are skipped; records with ``0 < n < m`` get ``m - n``
+    more. Each call's seed is derived from ``seed``, the key and the batch's prompts and
+    counts, so a top-up never replays the samples it is added to. Several processes may
+    presample the same key at once: a prompt another one stored first is not merged twice.
+    """
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = [r.id for r in records]
+    if len(set(ids)) != len(ids):
+        dupes = sorted(i for i, c in Counter(ids).items() if c > 1)
+        raise ValueError(f"duplicate record ids: {dupes[:5]}")
+    have = {pid: s.n for pid, s in store.get_anchors(key, ids).items()}
+    todo: dict[int, list[Record]] = {}
+    for r in records:
+        need = m - have.get(r.id, 0)
+        if need > 0:
+            todo.setdefault(need, []).append(r)
+    reused = len(records) - sum(len(v) for v in todo.values())
+    rollouts = discarded = 0
+    columns = (
+        TextColumn("presample"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompts"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, disable=not progress) as bar:
+        task_id = bar.add_task("presample", total=len(records), completed=reused)
+        for need, pending in todo.items():
+            for start in range(0, len(pending), batch_size):
+                batch = pending[start : start + batch_size]
+                batch_seed = _batch_seed(
+                    seed, key.digest, [(r.id, have.get(r.id, 0)) for r in batch], need
+                )
+                rewards, correct = sampler(batch, need, batch_seed)
+                if tuple(rewards.shape) != (len(batch), need):
+                    raise ValueError(
+                        f"the sampler returned rewards of shape {tuple(rewards.shape)}, expected {(len(batch), need)}"
+                    )
+                rollouts += len(batch) * need
+                discarded += _store_unraced(store, key, batch, have, rewards, correct)
+                bar.advance(task_id, len(batch))
+    return PresampleResult(
+        key=key.digest,
+        rollouts=rollouts,
+        prompts_sampled=len(records) - reused,
+        prompts_reused=reused,
+        prompts_discarded=discarded,
+    )
+
+
+def _store_unraced(
+    store: AnchorStore,
+    key: AnchorKey,
+    batch: Sequence[Record],
+    have: dict[str, int],
+    rewards: Tensor,
+    correct: Tensor,
+) -> int:
+    """Store a batch's rollouts, except prompts another writer updated meanwhile; returns how many.
+
+    The check and the write are one transaction (which holds the write lock), so two
+    processes presampling the same key never merge the same prompt twice.
+    """
+    with store.batch():
+        now = {pid: s.n for pid, s in store.get_anchors(key, [r.id for r in batch]).items()}
+        fresh = [i for i, r in enumerate(batch) if now.get(r.id, 0) == have.get(r.id, 0)]
+        if fresh:
+            store.add_rollouts(key, [batch[i].id for i in fresh], rewards[fresh], correct[fresh])
+    return len(batch) - len(fresh)
+
+
+def task_params(params: SamplingParams, task: Task) -> SamplingParams:
+    """``params`` with the task's stop strings (answer and tool close tags) added to its own."""
+    return dataclasses.replace(params, stop=list(dict.fromkeys([*params.stop, *task.stop])))
+
+
+def presample_key(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    params: SamplingParams,
+    task_id: str,
+    tag: str = "presample",
+) -> AnchorKey:
+    """The key of anchors made by ``model`` with ``params`` on the task ``task_id``.
+
+    Hashes the weights (:func:`~anchor_rl.anchors.keys.fingerprint_model`) and the tokenizer.
+    Pass the params the sampler really uses (see :func:`task_params`).
+    """
+    return AnchorKey(
+        model=fingerprint_model(model),
+        tokenizer=fingerprint_tokenizer(tokenizer),
+        sampling=sampling_settings(params),
+        task=task_id,
+        tag=tag,
+    )
+
+
+class RolloutSampler:
+    """A :data:`Sampler` backed by a rollout engine: n responses per record, scored by the task.
+
+    Samples with ``task_params(params, task)`` (the task's stop strings added), the task's
+    tools and instruction; ``reward`` and ``correct`` are the task's verdicts on each text.
+    """
+
+    def __init__(self, engine: HFEngine, task: Task, params: SamplingParams) -> None:
+        self.engine, self.task = engine, task
+        self.params = task_params(params, task)
+
+    def __call__(self, records: Sequence[Record], n: int, seed: int) -> tuple[Tensor, Tensor]:
+        """(rewards[P, n], correct[P, n]); rows of ``engine.rollout`` are grouped by prompt."""
+        generator = torch.Generator(device=self.engine.model.device).manual_seed(seed)
+        batch = self.engine.rollout(
+            [r.prompt for r in records],
+            n,
+            self.params,
+            tools=self.task.tools or None,
+            instruction=self.task.instruction,
+            generator=generator,
+        )
+        rewards = torch.zeros(len(records), n, dtype=torch.float64)
+        correct = torch.zeros(len(records), n, dtype=torch.bool)
+        seen = [0] * len(records)
+        for text, g in zip(batch.texts, batch.group.tolist(), strict=True):
+            record = records[g]
+            rewards[g, seen[g]] = self.task.reward(text, record)
+            correct[g, seen[g]] = self.task.correct(text, record)
+            seen[g] += 1
+        return rewards, correct
+
+
+def refresh_key(
+    key: AnchorKey, mode: RefreshMode, step: int, model_fingerprint: str | None = None
+) -> AnchorKey:
+    """The key of anchors re-estimated at training step ``step``.
+
+    ``reference``: the original reference resampled; the key keeps its model fingerprint.
+    ``policy``: a snapshot of the current policy; ``model_fingerprint``
+    (:func:`~anchor_rl.anchors.keys.fingerprint_model` of the snapshot) is required, so
+    two runs share refreshed anchors only if their snapshots have identical weights.
+    """
+    if mode == "reference":
+        if model_fingerprint is not None and model_fingerprint != key.model:
+            raise ValueError(
+                "mode 'reference' resamples the original reference; its fingerprint must match the key's"
+            )
+        model = key.model
+    elif mode == "policy":
+        if model_fingerprint is None:
+            raise ValueError(
+                "mode 'policy' needs the fingerprint of the policy snapshot (fingerprint_model)"
+            )
+        model = model_fingerprint
+    else:
+        raise ValueError(f"unknown refresh mode {mode!r}; choose 'reference' or 'policy'")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return key.replace(model=model, tag=f"refresh/{mode}/step={step}")
+
+
+@dataclass(frozen=True)
+class RefreshResult:
+    """Refreshed anchors: the key they are stored under, the statistics and the rollouts spent."""
+
+    key: AnchorKey
+    anchors: dict[str, AnchorStat]
+    rollouts: int
+
+
+def refresh_anchors(
+    records: Sequence[Record],
+    sampler: Sampler,
+    store: AnchorStore,
+    key: AnchorKey,
+    mode: RefreshMode,
+    step: int,
+    m: int,
+    model_fingerprint: str | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+) -> RefreshResult:
+    """Re-estimate the anchors of ``records`` at training step ``step`` (PVPO's refresh every K steps).
+
+    ``sampler`` rolls out the original reference (``mode="reference"``) or a snapshot of the
+    current policy (``mode="policy"``, with its ``model_fingerprint``). The new statistics
+    are stored under :func:`refresh_key` (the original anchors are kept); a rerun of the
+    same refresh (e.g. a resumed run) reuses them and spends nothing. ``rollouts`` is what
+    this call sampled, for the trainer's rollout count.
+    """
+    new_key = refresh_key(key, mode, step, model_fingerprint)
+    result = presample(
+        records, sampler, store, new_key, m, batch_size=batch_size, seed=seed, progress=progress
+    )
+    anchors = store.get_anchors(new_key, [r.id for r in records])
+    return RefreshResult(key=new_key, anchors=anchors, rollouts=result.rollouts)

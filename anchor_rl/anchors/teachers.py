@@ -1,0 +1,618 @@
+"""Teachers: where PVPO gets a correct trajectory for a prompt the reference never solves.
+
+A teacher returns, per prompt, a completion the task's verifier accepts, as the POLICY's
+token ids, with per-token log-probs ``log pi_gt`` that the trainer uses as the "old"
+log-probs of that trajectory's importance ratio ``pi_theta / pi_gt``. Three kinds:
+
+- :class:`HFTeacher`: a (larger) local Hugging Face model. Samples up to ``tries``
+  responses per prompt with the rollout engine and keeps the first correct one; its
+  log-probs are the teacher model's own (``token_logprobs``, temperature 1). The teacher
+  scores its own tokenisation, so its vocabulary must equal the policy's (else a
+  :class:`TokenizerMismatchError` naming both).
+- :class:`OpenAITeacher`: an OpenAI-compatible completions endpoint that returns token
+  log-probs (vLLM, SGLang, ...). The returned tokens must be exactly the policy's
+  tokenisation of the returned text, else a :class:`TokenizerMismatchError`.
+- :class:`OracleTeacher`: the task's reference solution (``task.trace``). No model wrote
+  it, so its log-probs come from a *scoring model*, by default the reference policy.
+  Consequence: the importance ratio becomes ``pi_theta / pi_ref`` on that trajectory. It
+  starts near 1 (the policy starts as the reference), and with PPO-style clipping a
+  positive advantage stops pushing a token once ``pi_theta > (1 + eps_high) pi_ref``: the
+  oracle trajectory can raise each token's probability by only that factor over the
+  reference per update before its gradient is clipped. A larger-model teacher gives
+  high ``pi_gt`` and so a weaker cap; the oracle is a bounded, conservative signal.
+
+Tool turns: tool output tokens carry ``loss_mask`` 0 and log-prob 0, like in rollouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from anchor_rl.anchors.keys import (
+    AnchorKey,
+    canonical_json,
+    fingerprint_model,
+    fingerprint_tokenizer,
+    sampling_settings,
+)
+from anchor_rl.anchors.presample import task_params
+from anchor_rl.anchors.store import TeacherTrajectory
+from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.tasks.base import Record, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "HFTeacher",
+    "OpenAITeacher",
+    "OracleTeacher",
+    "Teacher",
+    "TokenizerMismatchError",
+    "teacher_batch",
+    "teacher_key",
+]
+
+
+class TokenizerMismatchError(ValueError):
+    """A teacher's tokens cannot be expressed as the policy's tokens."""
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """What the group-sampling filter needs from a teacher.
+
+    name: short kind name (``hf``, ``http``, ``oracle``).
+    fingerprint: identity of the model or source that writes the trajectories.
+    settings: JSON-serialisable settings that change its output (sampling, tries).
+    tries: most samples per prompt.
+    policy_tokenizer: the tokenizer the trajectories' ids are in.
+    """
+
+    name: str
+    fingerprint: str
+    settings: dict[str, Any]
+    tries: int
+    policy_tokenizer: PreTrainedTokenizerBase
+
+    def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
+        """A verified trajectory per record, or None where the teacher failed ``tries`` times."""
+        ...
+
+
+def teacher_key(teacher: Teacher, task_id: str) -> AnchorKey:
+    """The store key of a teacher's trajectories on a task, in the teacher's policy tokenizer."""
+    return AnchorKey(
+        model=teacher.fingerprint,
+        tokenizer=fingerprint_tokenizer(teacher.policy_tokenizer),
+        sampling=teacher.settings,
+        task=task_id,
+        tag=f"teacher/{teacher.name}",
+    )
+
+
+def tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A readable name: the path it was loaded from (if any), class and vocabulary size."""
+    where = getattr(tokenizer, "name_or_path", "") or "built in memory"
+    return f"{where!r} ({type(tokenizer).__name__}, {len(tokenizer)} tokens)"
+
+
+def require_same_vocab(
+    teacher: PreTrainedTokenizerBase, policy: PreTrainedTokenizerBase, who: str
+) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers map the same strings to the same ids."""
+    if teacher.get_vocab() != policy.get_vocab():
+        raise TokenizerMismatchError(
+            f"the {who} tokenizer {tokenizer_name(teacher)} has a different vocabulary from the policy "
+            f"tokenizer {tokenizer_name(policy)}; a {who} model can only score its own token ids, and a "
+            "teacher trajectory must be in the policy's ids: use a teacher that shares the policy's tokenizer"
+        )
+
+
+def _tool_output_pattern() -> re.Pattern[str]:
+    """Regex of a tool result block as the rollout engine writes it (``format_result``)."""
+    from anchor_rl.tools.parsing import format_result
+
+    prefix, suffix = format_result("\x00").split("\x00")
+    return re.compile(re.escape(prefix) + r".*?" + re.escape(suffix), re.DOTALL)
+
+
+def split_tool_output(text: str) -> list[tuple[str, bool]]:
+    """Split a completion into ``(segment, written_by_model)`` pieces; tool result blocks are not."""
+    pieces, pos = [], 0
+    for match in _tool_output_pattern().finditer(text):
+        if match.start() > pos:
+            pieces.append((text[pos : match.start()], True))
+        pieces.append((match.group(), False))
+        pos = match.end()
+    if pos < len(text):
+        pieces.append((text[pos:], True))
+    return pieces
+
+
+def encode_segments(
+    tokenizer: PreTrainedTokenizerBase, segments: Sequence[tuple[str, bool]]
+) -> tuple[list[int], list[float]]:
+    """Token ids and loss mask of a completion tokenised segment by segment (as the engine appends turns)."""
+    ids: list[int] = []
+    mask: list[float] = []
+    for text, by_model in segments:
+        seg = tokenizer.encode(text, add_special_tokens=False)
+        ids += seg
+        mask += [1.0 if by_model else 0.0] * len(seg)
+    return ids, mask
+
+
+def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> Tensor:
+    """Right-pad ragged rows into a ``[len(rows), max(1, longest)]`` tensor."""
+    out = torch.full((len(rows), max([1, *(len(r) for r in rows)])), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def _tool_blocks(mask: Sequence[float]) -> int:
+    """Runs of tool-output tokens (mask 0) in a loss mask."""
+    return sum(
+        1 for prev, cur in zip([1.0, *mask[:-1]], mask, strict=True) if prev != 0 and cur == 0
+    )
+
+
+def _rows_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    ids: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[float]],
+    logprobs: Sequence[Sequence[float]],
+    texts: Sequence[str],
+    group: Sequence[int] | Tensor,
+    pad_id: int,
+) -> RolloutBatch:
+    if not ids:
+        raise ValueError("a batch needs at least one response")
+    return RolloutBatch(
+        group=torch.as_tensor(group, dtype=torch.long),
+        prompt_ids=[list(p) for p in prompt_ids],
+        response_ids=_pad(ids, pad_id, torch.long),
+        attention_mask=_pad([[1.0] * len(i) for i in ids], 0.0, torch.float32),
+        loss_mask=_pad(masks, 0.0, torch.float32),
+        logprobs=_pad(logprobs, 0.0, torch.float32),
+        texts=list(texts),
+        tool_calls=torch.as_tensor([_tool_blocks(m) for m in masks], dtype=torch.long),
+        truncated=torch.zeros(len(ids), dtype=torch.bool),
+        pad_id=pad_id,
+    )
+
+
+def teacher_batch(
+    trajectories: Sequence[TeacherTrajectory],
+    prompt_ids: Sequence[Sequence[int]],
+    group: Sequence[int] | Tensor,
+    pad_id: int,
+) -> RolloutBatch:
+    """Teacher trajectories as a ``RolloutBatch`` (B = len(trajectories)) to join the policy's rollouts.
+
+    ``logprobs`` holds the teacher's log pi_gt, so a trainer that takes the ratio against
+    ``batch.logprobs`` takes it against pi_gt for these rows, as PVPO prescribes.
+    ``prompt_ids[i]`` is the policy's tokenised prompt of row i, ``group[i]`` its group.
+    ``tool_calls`` counts the tool-output blocks; ``truncated`` is False (they were verified).
+    """
+    if not len(trajectories) == len(prompt_ids) == len(group):
+        raise ValueError("trajectories, prompt_ids and group must have the same length")
+    return _rows_batch(
+        prompt_ids,
+        [t.token_ids.tolist() for t in trajectories],
+        [t.loss_mask.tolist() for t in trajectories],
+        [t.logprobs.tolist() for t in trajectories],
+        [t.text for t in trajectories],
+        group,
+        pad_id,
+    )
+
+
+def score_responses(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[Sequence[int]],
+    responses: Sequence[tuple[Sequence[int], Sequence[float]]],
+    pad_id: int,
+    micro_batch: int | None = None,
+) -> list[Tensor]:
+    """Per-token log-probs (temperature 1) of each ``(ids, loss_mask)`` response under ``model``.
+
+    Returns one FloatTensor[L_i] per response on the CPU, 0 where the mask is 0.
+    """
+    ids = [list(r[0]) for r in responses]
+    masks = [list(r[1]) for r in responses]
+    zeros = [[0.0] * len(i) for i in ids]
+    batch = _rows_batch(prompt_ids, ids, masks, zeros, [""] * len(ids), range(len(ids)), pad_id)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, batch, micro_batch=micro_batch)
+    finally:
+        model.train(was_training)
+    logp = (logp.cpu() * batch.loss_mask).float()
+    return [logp[i, : len(ids[i])].clone() for i in range(len(ids))]
+
+
+class OracleTeacher:
+    """The task's reference solution (``task.trace``), scored by a scoring model (default: the reference).
+
+    The trace is tokenised with the policy tokenizer segment by segment (tool result
+    blocks get loss mask 0) and scored by ``scorer``, whose vocabulary must equal the
+    policy's. A trace the task's verifier rejects counts as unsolved. See the module
+    docstring for what scoring with the reference means for the importance ratio.
+    """
+
+    name = "oracle"
+    tries = 1
+
+    def __init__(
+        self,
+        task: Task,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        scorer: PreTrainedModel,
+        scorer_tokenizer: PreTrainedTokenizerBase | None = None,
+        micro_batch: int | None = None,
+    ) -> None:
+        self.task, self.policy_tokenizer, self.scorer = task, policy_tokenizer, scorer
+        self.scorer_tokenizer = scorer_tokenizer or policy_tokenizer
+        require_same_vocab(self.scorer_tokenizer, policy_tokenizer, "scoring")
+        self.micro_batch = micro_batch
+        self.fingerprint = "oracle:" + fingerprint_model(scorer)
+        self.settings = {"scorer_tokenizer": fingerprint_tokenizer(self.scorer_tokenizer)}
+
+    def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
+        """The scored trace of each record, or None where the verifier rejects it."""
+        texts = [self.task.trace(r) for r in records]
+        ok = [
+            i
+            for i, (r, text) in enumerate(zip(records, texts, strict=True))
+            if self.task.correct(text, r)
+        ]
+        out: list[TeacherTrajectory | None] = [None] * len(records)
+        if not ok:
+            return out
+        encoded = [
+            encode_segments(
+                self.policy_tokenizer,
+                split_tool_output(texts[i]) if self.task.tools else [(texts[i], True)],
+            )
+            for i in ok
+        ]
+        prompts = [
+            encode_prompt(self.scorer_tokenizer, records[i].prompt, self.task.instruction)
+            for i in ok
+        ]
+        logps = score_responses(
+            self.scorer, prompts, encoded, self.policy_tokenizer.pad_token_id, self.micro_batch
+        )
+        for i, (ids, mask), lp in zip(ok, encoded, logps, strict=True):
+            out[i] = TeacherTrajectory(
+                prompt_id=records[i].id,
+                token_ids=torch.tensor(ids, dtype=torch.long),
+                logprobs=lp,
+                loss_mask=torch.tensor(mask),
+                text=texts[i],
+                reward=self.task.reward(texts[i], records[i]),
+                teacher=self.name,
+            )
+        return out
+
+
+def _seed(seed: int, ids: Sequence[str], used: int) -> int:
+    text = f"{seed}|{used}|" + "|".join(ids)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+class HFTeacher:
+    """A local Hugging Face causal LM that samples until the task's verifier accepts.
+
+    Rounds of ``per_round`` samples per unsolved prompt (default: all ``tries`` at once)
+    until each prompt has a correct sample or ``tries`` samples are spent. The first
+    correct sample is kept; its log-probs are rescored with ``token_logprobs`` at
+    temperature 1 (the teacher model's own distribution, whatever temperature sampled it).
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
+        tries: int = 8,
+        per_round: int | None = None,
+        seed: int = 0,
+        micro_batch: int | None = None,
+    ) -> None:
+        from anchor_rl.rollout.engine import HFEngine
+
+        require_same_vocab(tokenizer, policy_tokenizer, "teacher")
+        if tries < 1:
+            raise ValueError(f"tries must be >= 1, got {tries}")
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.policy_tokenizer = policy_tokenizer
+        self.engine = HFEngine(model, tokenizer)
+        self.params = task_params(params, task)
+        self.tries, self.per_round = tries, min(per_round or tries, tries)
+        self.seed, self.micro_batch = seed, micro_batch
+        self.fingerprint = "hf:" + fingerprint_model(model)
+        self.settings = {
+            "sampling": sampling_settings(self.params),
+            "tokenizer": fingerprint_tokenizer(tokenizer),
+            "tries": tries,
+            "per_round": self.per_round,
+            "seed": seed,
+        }
+
+    def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
+        """The first correct sample of each record within ``tries``, or None."""
+        out: list[TeacherTrajectory | None] = [None] * len(records)
+        pending, used = list(range(len(records))), 0
+        while pending and used < self.tries:
+            n = min(self.per_round, self.tries - used)
+            generator = torch.Generator(device=self.model.device)
+            generator.manual_seed(_seed(self.seed, [records[i].id for i in pending], used))
+            batch = self.engine.rollout(
+                [records[i].prompt for i in pending],
+                n,
+                self.params,
+                tools=self.task.tools or None,
+                instruction=self.task.instruction,
+                generator=generator,
+            )
+            chosen: list[tuple[int, int, int]] = []  # (record index, batch row, tries so far)
+            for j, i in enumerate(pending):
+                for k in range(n):
+                    if self.task.correct(batch.texts[j * n + k], records[i]):
+                        chosen.append((i, j * n + k, used + k + 1))
+                        break
+            used += n
+            if chosen:
+                self._keep(records, batch, chosen, out)
+            solved = {i for i, _, _ in chosen}
+            pending = [i for i in pending if i not in solved]
+        return out
+
+    def _keep(
+        self,
+        records: Sequence[Record],
+        batch: RolloutBatch,
+        chosen: Sequence[tuple[int, int, int]],
+        out: list[TeacherTrajectory | None],
+    ) -> None:
+        rows = batch.select([row for _, row, _ in chosen])
+        responses = []
+        for b in range(len(rows)):
+            length = int(rows.attention_mask[b].sum())
+            responses.append(
+                (rows.response_ids[b, :length].tolist(), rows.loss_mask[b, :length].tolist())
+            )
+        logps = score_responses(
+            self.model, rows.prompt_ids, responses, rows.pad_id, self.micro_batch
+        )
+        for b, ((i, _, tries), (ids, mask), lp) in enumerate(
+            zip(chosen, responses, logps, strict=True)
+        ):
+            out[i] = TeacherTrajectory(
+                prompt_id=records[i].id,
+                token_ids=torch.tensor(ids, dtype=torch.long),
+                logprobs=lp,
+                loss_mask=torch.tensor(mask),
+                text=rows.texts[b],
+                reward=self.task.reward(rows.texts[b], records[i]),
+                teacher=self.name,
+                tries=tries,
+            )
+
+
+class OpenAITeacher:
+    """A teacher behind an OpenAI-compatible ``/completions`` endpoint that returns log-probs.
+
+    The prompt sent is the policy's own prompt text (its chat template rendered by
+    ``encode_prompt`` and decoded), so the teacher conditions on what the policy sees.
+    Each turn asks for ``logprobs: 1`` and the task's stop strings; the stop string must
+    be kept in the output (``include_stop_str_in_output``, a vLLM option, is sent by
+    default through ``extra_body``; SGLang calls it ``no_stop_trim``). The returned
+    tokens, either strings or ``token_id:N`` (vLLM ``return_tokens_as_token_ids``), must
+    equal the policy's tokenisation of the returned text, else a
+    :class:`TokenizerMismatchError`. Tool calls run locally between turns with the task's
+    tools, as in the rollout engine; later turns send prompt + response so far.
+
+    ``fingerprint`` defaults to the URL and model name: a server that swaps weights under
+    the same name is not detected; pass ``model_fingerprint`` to pin a content hash.
+    Only loopback or trusted endpoints: prompts and tool results are sent as they are.
+    """
+
+    name = "http"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        task: Task,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
+        tries: int = 4,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        extra_body: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        model_fingerprint: str | None = None,
+    ) -> None:
+        if tries < 1:
+            raise ValueError(f"tries must be >= 1, got {tries}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model, self.task, self.policy_tokenizer = model, task, policy_tokenizer
+        self.params = task_params(params, task)
+        self.tries, self.concurrency, self.seed = tries, concurrency, seed
+        self.api_key, self.timeout = api_key, timeout
+        self.extra_body = (
+            dict(extra_body) if extra_body is not None else {"include_stop_str_in_output": True}
+        )
+        self.fingerprint = model_fingerprint or "http:" + canonical_json(
+            {"url": self.url, "model": model}
+        )
+        self.settings = {
+            "sampling": sampling_settings(self.params),
+            "tries": tries,
+            "extra_body": self.extra_body,
+            "seed": seed,
+        }
+
+    # -- one request ------------------------------------------------------------------
+
+    def complete(
+        self, prompt: str, max_tokens: int, attempt: int
+    ) -> tuple[str, list[str], list[float], str | None]:
+        """One completion: ``(text, tokens, token_logprobs, finish_reason)``."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "logprobs": 1,
+            "n": 1,
+            "stop": list(self.params.stop),
+            **self.extra_body,
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed + attempt
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(
+            self.url, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise RuntimeError(
+                f"teacher endpoint {self.url} answered HTTP {exc.code}: {detail}"
+            ) from exc
+        except urllib.error.URLError as exc:
+            raise ConnectionError(
+                f"cannot reach the teacher endpoint {self.url}: {exc.reason}"
+            ) from exc
+        try:
+            choice = payload["choices"][0]
+            logprobs = choice["logprobs"]
+            tokens, values = list(logprobs["tokens"]), list(logprobs["token_logprobs"])
+            text = choice["text"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise RuntimeError(
+                f"teacher endpoint {self.url} returned no choices[0].text/logprobs.tokens/logprobs.token_logprobs "
+                "(does it support `logprobs` on /completions?)"
+            ) from exc
+        if len(tokens) != len(values) or any(v is None for v in values):
+            raise RuntimeError(
+                f"teacher endpoint {self.url} returned {len(tokens)} tokens but log-probs {values[:5]}..."
+            )
+        return text, tokens, [float(v) for v in values], choice.get("finish_reason")
+
+    def policy_ids(self, text: str, tokens: Sequence[str]) -> list[int]:
+        """The policy's ids of ``text``, checked against the endpoint's ``tokens``."""
+        ids = self.policy_tokenizer.encode(text, add_special_tokens=False)
+        if tokens and all(t.startswith("token_id:") for t in tokens):
+            theirs: list[Any] = [int(t.removeprefix("token_id:")) for t in tokens]
+            ours: list[Any] = ids
+        else:
+            if "".join(tokens) != text:
+                raise RuntimeError(
+                    f"teacher endpoint {self.url} returned tokens that do not spell its text; if it trimmed the "
+                    "stop string, keep it (vLLM: include_stop_str_in_output, SGLang: no_stop_trim in extra_body)"
+                )
+            theirs, ours = list(tokens), [self.policy_tokenizer.decode([i]) for i in ids]
+        if theirs != ours:
+            at = next(
+                (k for k, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
+                min(len(theirs), len(ours)),
+            )
+            raise TokenizerMismatchError(
+                f"the teacher endpoint {self.url} (model {self.model!r}) tokenises its text differently from the "
+                f"policy tokenizer {tokenizer_name(self.policy_tokenizer)}: {len(theirs)} vs {len(ours)} tokens, "
+                f"first difference at token {at}: endpoint {theirs[at : at + 3]!r} vs policy {ours[at : at + 3]!r}. "
+                "A teacher trajectory must be in the policy's tokens: serve a teacher with the policy's tokenizer"
+            )
+        return ids
+
+    # -- one sample -------------------------------------------------------------------
+
+    def sample(self, record: Record, attempt: int) -> TeacherTrajectory | None:
+        """One agent-loop sample of ``record``; the trajectory if the verifier accepts it."""
+        tok = self.policy_tokenizer
+        prompt = tok.decode(
+            encode_prompt(tok, record.prompt, self.task.instruction), skip_special_tokens=False
+        )
+        tools = self.task.tools
+        close_tags = {f"</{tag}>" for tag in tools}
+        ids: list[int] = []
+        mask: list[float] = []
+        logps: list[float] = []
+        so_far, tool_calls = "", 0
+        while (room := self.params.max_new_tokens - len(ids)) > 0:
+            text, tokens, values, finish = self.complete(prompt + so_far, room, attempt)
+            turn = self.policy_ids(text, tokens)
+            ids, mask, logps = ids + turn, mask + [1.0] * len(turn), logps + values
+            so_far += text
+            stop = next((s for s in close_tags if text.endswith(s)), None)
+            if finish == "length" or stop is None or tool_calls >= self.params.max_turns:
+                break
+            from anchor_rl.rollout.agent import tool_result
+
+            result = tool_result(text, tools)
+            result_ids = tok.encode(result, add_special_tokens=False)[
+                : self.params.max_new_tokens - len(ids)
+            ]
+            ids, mask, logps = (
+                ids + result_ids,
+                mask + [0.0] * len(result_ids),
+                logps + [0.0] * len(result_ids),
+            )
+            so_far += result
+            tool_calls += 1
+        completion = tok.decode(ids, skip_special_tokens=True)
+        if not ids or sum(mask) == 0 or not self.task.correct(completion, record):
+            return None
+        return TeacherTrajectory(
+            prompt_id=record.id,
+            token_ids=torch.tensor(ids, dtype=torch.long),
+            logprobs=torch.tensor(logps, dtype=torch.float32),
+            loss_mask=torch.tensor(mask),
+            text=completion,
+            reward=self.task.reward(completion, record),
+            teacher=f"{self.name}:{self.model}",
+            tries=attempt + 1,
+        )
+
+    def _solve_one(self, record: Record) -> TeacherTrajectory | None:
+        for attempt in range(self.tries):
+            if (traj := self.sample(record, attempt)) is not None:
+                return traj
+        return None
+
+    def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
+        """Up to ``tries`` samples per record, ``concurrency`` records at a time."""
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._solve_one, records))

@@ -1,0 +1,86 @@
+"""The CLI: ``anchor-rl presample`` end to end and ``anchor-rl anchors {export,keys,filter}``."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from anchor_rl.anchors.keys import AnchorKey
+from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.cli import app
+
+KEY = AnchorKey(model="m", tokenizer="t", sampling={"top_p": 1.0}, task="echo")
+runner = CliRunner(env={"COLUMNS": "300"})
+
+
+def test_export_and_keys(tmp_path):
+    db = tmp_path / "a.db"
+    with AnchorStore(db) as store:
+        store.add_rollouts(KEY, ["x", "y"], [[1.0, 0.0], [1.0, 1.0]], [[1, 0], [1, 1]])
+    out = runner.invoke(app, ["anchors", "export", str(db), "--out", str(tmp_path / "a.jsonl")])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [(r["prompt_id"], r["mean_reward"], r["accuracy"]) for r in rows] == [
+        ("x", 0.5, 0.5),
+        ("y", 1.0, 1.0),
+    ]
+    out = runner.invoke(
+        app,
+        [
+            "anchors",
+            "export",
+            str(db),
+            "--out",
+            str(tmp_path / "t.parquet"),
+            "--table",
+            "trajectories",
+        ],
+    )
+    assert out.exit_code == 0 and pq.read_table(tmp_path / "t.parquet").num_rows == 0
+    out = runner.invoke(app, ["anchors", "export", str(db), "--out", str(tmp_path / "a.csv")])
+    assert out.exit_code != 0 and ".jsonl or .parquet" in out.output
+    out = runner.invoke(app, ["anchors", "keys", str(db)])
+    assert out.exit_code == 0 and KEY.digest[:8] in out.output and "presample" in out.output
+
+
+def test_presample_command_resumes_and_filter_reads_its_key(tmp_path):
+    db = tmp_path / "anchors.db"
+    common = [
+        "--model",
+        "random:tiny",
+        "--task",
+        "arithmetic",
+        "--limit",
+        "4",
+        "--db",
+        str(db),
+        "--max-new-tokens",
+        "6",
+    ]
+    args = [*common, "--m", "2", "--batch-size", "2"]
+    first = runner.invoke(app, ["presample", *args, "--export", str(tmp_path / "a.parquet")])
+    assert first.exit_code == 0, first.output
+    assert "sampled 8 rollouts for 4 prompts (0 already done)" in first.output
+    assert pq.read_table(tmp_path / "a.parquet").num_rows == 4
+    again = runner.invoke(app, ["presample", *args])
+    assert (
+        again.exit_code == 0 and "sampled 0 rollouts for 0 prompts (4 already done)" in again.output
+    )
+    other = runner.invoke(app, ["presample", *args, "--temperature", "0.5"])
+    assert (
+        other.exit_code == 0 and "sampled 8 rollouts" in other.output
+    )  # other settings, other key
+
+    stats_file = tmp_path / "filter.json"
+    out = runner.invoke(
+        app, ["anchors", "filter", *common, "--teacher", "oracle", "--stats-out", str(stats_file)]
+    )
+    assert out.exit_code == 0, out.output
+    counts = json.loads(stats_file.read_text())["counts"]
+    assert counts["total"] == 4 and counts["teacher"] == "oracle"
+    assert counts["acc_zero"] + counts["acc_mixed"] + counts["acc_one"] == 4
+    assert "49.8%" in out.output
+    missing = runner.invoke(app, ["anchors", "filter", *common, "--top-p", "0.9"])
+    assert missing.exit_code != 0 and "presample" in missing.output
