@@ -5,9 +5,10 @@ keyword inputs it reads (required ones first), so a caller holding a superset of
 can call any estimator the same way through :func:`compute_advantage`.
 
 Inputs by name: ``rewards[B]`` outcome rewards, ``index[B]`` group ids, ``anchor[B]`` the
-prompt's static anchor value, ``token_rewards[B, T]`` per-token rewards with the outcome on
-the last policy token, ``dense_rewards[B, T]`` per-token rewards besides the outcome
-(e.g. ``-beta * kl``), ``mask[B, T]``, ``gamma`` the discount.
+prompt's baseline value (PVPO's static anchor, V0.5's fused baseline), ``token_rewards[B, T]``
+per-token rewards with the outcome on the last policy token, ``dense_rewards[B, T]``
+per-token rewards besides the outcome (e.g. ``-beta * kl``), ``mask[B, T]``, ``gamma`` the
+discount.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "drgrpo": partial(advantages.grpo, scale_by_std=False),
     "rloo": advantages.rloo,
     "pvpo": advantages.pvpo,
+    "v05": advantages.pvpo,  # r - b with b the V0.5 fused baseline, passed as ``anchor``
     "reinforce_pp": advantages.reinforce_pp,
     "reinforce_pp_baseline": advantages.reinforce_pp_baseline,
 }
@@ -45,6 +47,7 @@ ADVANTAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "drgrpo": ("rewards", "index"),
     "rloo": ("rewards", "index"),
     "pvpo": ("rewards", "anchor"),
+    "v05": ("rewards", "anchor"),
     "reinforce_pp": ("token_rewards", "mask", "gamma"),
     "reinforce_pp_baseline": ("rewards", "index", "mask", "dense_rewards", "gamma"),
 }

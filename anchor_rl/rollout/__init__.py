@@ -1,1 +1,25 @@
-"""anchor_rl.rollout"""
+"""Generation engines, the agent loop, the rollout batch type and sampling-based evaluation.
+
+The public names below load lazily (PEP 562), so importing ``anchor_rl.rollout.commands``
+(the CLI) does not pull in torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SamplingParams": "types",
+    "RolloutBatch": "types",
+    "HFEngine": "engine",
+    "run_agent": "agent",
+    "evaluate": "evaluate",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

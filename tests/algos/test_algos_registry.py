@@ -15,6 +15,7 @@ def test_names():
         "drgrpo",
         "rloo",
         "pvpo",
+        "v05",
         "reinforce_pp",
         "reinforce_pp_baseline",
     ]
@@ -57,6 +58,7 @@ def test_compute_advantage_matches_direct_calls():
         "drgrpo": torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=F64),
         "rloo": A.rloo(rewards, index),
         "pvpo": torch.tensor([0.5, -0.5, 0.75, 0.75], dtype=F64),
+        "v05": torch.tensor([0.5, -0.5, 0.75, 0.75], dtype=F64),
         "reinforce_pp": A.reinforce_pp(token_rewards, mask),
         "reinforce_pp_baseline": A.reinforce_pp_baseline(rewards, index, mask),
     }

@@ -1,0 +1,96 @@
+"""``anchor-rl bench SUITE``: run a suite's presets x variants x seeds and report.
+
+torch and transformers are imported inside the command, so ``anchor-rl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from anchor_rl.trainer.config import ConfigError
+
+FUNCTION_SUITES = {
+    "trl": "anchor_rl.bench.trl_compare:run_trl_suite",
+    "throughput": "anchor_rl.bench.throughput:run_throughput_suite",
+    "baseline-mse": "anchor_rl.bench.probe:run_baseline_mse_suite",
+}
+"""Suites that are a function, not a suite file: ``fn(out, seeds, steps, overrides, profile,
+echo) -> {"summary_json", "summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""
+
+
+def bench(
+    suite: Annotated[
+        str,
+        typer.Argument(
+            help="A built-in suite name (baselines, v05, baseline-mse, trl, throughput) or a "
+            "suite TOML path."
+        ),
+    ],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Config overrides for every run, key=value with dotted keys."),
+    ] = None,
+    seeds: Annotated[
+        str | None, typer.Option("--seeds", help="Comma-separated seeds (default: the suite's).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Output directory (default: bench/<suite>).")
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", help="Training steps of every run.")
+    ] = None,
+    profile: Annotated[
+        str | None, typer.Option("--profile", help="A profile of the suite file (e.g. quick).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Same as --profile quick: a CI-sized smoke run.")
+    ] = False,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Torch device of every run (cpu, cuda).")
+    ] = None,
+) -> None:
+    """Run a benchmark suite; writes summary.json, summary.md and accuracy plots.
+
+    Re-running the same command skips finished runs and resumes stopped ones.
+    """
+    from anchor_rl.bench.runner import load_suite, run_suite
+
+    try:
+        if quick and profile not in (None, "quick"):
+            raise ConfigError("--quick and --profile name different profiles")
+        seed_list = _parse_seeds(seeds) if seeds is not None else None
+        settings = [*(overrides or []), *([f"device={device}"] if device else [])]
+        if suite in FUNCTION_SUITES:
+            module, _, name = FUNCTION_SUITES[suite].partition(":")
+            run, target = getattr(importlib.import_module(module), name), suite
+        else:
+            loaded = load_suite(suite)
+            run, target = functools.partial(run_suite, loaded), loaded.name
+        result = run(
+            out or Path("bench") / target,
+            seeds=seed_list,
+            steps=steps,
+            overrides=settings,
+            profile="quick" if quick else profile,
+            echo=typer.echo,
+        )
+    except (ConfigError, NotImplementedError, ImportError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(result["summary_md"].read_text())
+    typer.echo(f"summary: {result['summary_json']}, plots: {', '.join(map(str, result['plots']))}")
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ConfigError("--seeds is empty")
+    return seeds

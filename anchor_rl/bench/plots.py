@@ -1,0 +1,74 @@
+"""Held-out accuracy curves of a suite: against steps, cumulative rollouts and wall time.
+
+Each preset/variant is one colour: the mean over seeds as a line (x averaged over seeds
+at each evaluation, since rollouts and seconds differ between seeds) and a band of the
+95% t-interval of the accuracy when there are several seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from anchor_rl.bench.stats import t_interval
+
+AXES = {
+    "step": ("step", "accuracy_vs_steps.png"),
+    "rollouts/total": ("rollouts (cumulative, presampling included)", "accuracy_vs_rollouts.png"),
+    "time/elapsed": ("wall time (s)", "accuracy_vs_time.png"),
+}
+Y = "eval/accuracy"
+
+
+def eval_curve(records: Sequence[Mapping[str, float]], x: str) -> list[tuple[float, float]]:
+    """``(x, accuracy)`` at every evaluation of one run."""
+    return [(float(r[x]), float(r[Y])) for r in records if Y in r and x in r]
+
+
+def mean_curve(
+    curves: Sequence[Sequence[tuple[float, float]]],
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Pointwise mean x, mean y and the y interval over seeds, truncated to the shortest curve."""
+    n = min(len(c) for c in curves)
+    xs, ys, lows, highs = [], [], [], []
+    for i in range(n):
+        iv = t_interval([c[i][1] for c in curves])
+        xs.append(sum(c[i][0] for c in curves) / len(curves))
+        ys.append(iv.mean)
+        lows.append(iv.mean if iv.low is None else iv.low)
+        highs.append(iv.mean if iv.high is None else iv.high)
+    return xs, ys, lows, highs
+
+
+def plot_suite(
+    runs: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], out: Path, title: str
+) -> list[Path]:
+    """One PNG per x axis in ``AXES``; ``runs`` maps a label to its seeds' metric records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for x, (xlabel, filename) in AXES.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for label, seeds in runs.items():
+            curves = [c for c in (eval_curve(records, x) for records in seeds) if c]
+            if not curves:
+                continue
+            xs, ys, lows, highs = mean_curve(curves)
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=f"{label} (n={len(curves)})")
+            if len(curves) > 1:
+                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(out) / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,239 @@
+"""``anchor-rl quickstart``: PVPO end to end in a few minutes on a CPU, with a report.
+
+    1 SFT reference     ``sft:tiny`` on the task, trained once and cached ($ANCHOR_RL_CACHE)
+    2 presample, filter M reference rollouts per training prompt into the anchor store
+                        (cached), group sampling with the oracle teacher
+    3 PVPO training     the ``pvpo`` preset, held-out evaluation before, during and after
+    4 report            ``OUT/report.md`` and ``OUT/report.png``
+
+The run itself is an ordinary run directory (``anchor-rl train --resume OUT`` continues it).
+Settings: the ``pvpo`` preset, then :data:`SETTINGS` (sized to finish within 10 minutes on
+2 CPU cores from an empty cache; see docs/quickstart.md), then the task's extras, then
+``--steps`` / ``--time-limit`` and ``key=value`` overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from anchor_rl.trainer.config import ConfigError, TrainConfig, load_config
+
+SETTINGS: tuple[str, ...] = (
+    "model=sft:tiny",
+    "train_prompts=256",
+    "steps=60",
+    "rollout.prompts_per_step=8",
+    "rollout.n=4",
+    "pvpo.m=8",
+    "eval.every=10",
+    "eval.prompts=200",
+    "checkpoint.every=20",
+)
+"""The quickstart run on top of the ``pvpo`` preset."""
+TASK_SETTINGS: dict[str, tuple[str, ...]] = {
+    "multihop": ("task_args.reward=pvpo", "pvpo.m=5", "rollout.max_new_tokens=192"),
+}
+"""Per-task extras: on multihop the paper's reward manager, its QA setting M = 5, and room for
+the longest 4-hop trace (176 tokens with the tool results)."""
+REPORT_MD, REPORT_PNG = "report.md", "report.png"
+
+
+def quickstart_config(
+    task: str,
+    steps: int | None = None,
+    time_limit: float | None = None,
+    overrides: Sequence[str] = (),
+) -> TrainConfig:
+    """The quickstart's training config for ``task``; ConfigError naming a bad field or task."""
+    extra = [f"steps={steps}"] if steps is not None else []
+    if time_limit is not None:
+        extra.append(f"time_limit={time_limit}")
+    return load_config(
+        "pvpo", [f"task={task}", *SETTINGS, *TASK_SETTINGS.get(task, ()), *extra, *overrides]
+    )
+
+
+def run_quickstart(cfg: TrainConfig, out: Path) -> dict[str, Any]:
+    """SFT reference, presampling and group sampling, PVPO training, report; returns the
+    report's facts (also in ``OUT/report.md``) with the report paths."""
+    from rich.console import Console
+
+    from anchor_rl.models.sft import train_sft
+    from anchor_rl.trainer.loop import train
+    from anchor_rl.trainer.run import load_task, start_run
+
+    console = Console()
+    load_task(cfg)  # a bad task fails before any work
+    out = Path(out)
+    started = time.perf_counter()
+    kind, _, size = cfg.model.partition(":")
+    if kind == "sft":
+        console.rule("[bold]1/4 SFT reference")
+        train_sft(cfg.task, size, task_kwargs=cfg.task_args or None, progress=cfg.log.progress)
+    sft_s = time.perf_counter() - started
+    console.rule("[bold]2/4 presample the reference, group sampling")
+    run = start_run(cfg, out)
+    setup_s = time.perf_counter() - started - sft_s
+    console.rule("[bold]3/4 PVPO training")
+    train(run)
+    total_s = time.perf_counter() - started
+    console.rule("[bold]4/4 report")
+    facts = report_facts(out, cfg, sft_s, setup_s, total_s)
+    md, png = write_report(out, facts)
+    return {**facts, "report_md": md, "report_png": png}
+
+
+def report_facts(
+    run_dir: Path, cfg: TrainConfig, sft_s: float, setup_s: float, total_s: float
+) -> dict[str, Any]:
+    """The numbers the report shows, read from the run directory."""
+    from anchor_rl.trainer.logging import read_metrics
+
+    records = read_metrics(run_dir)
+    evals = [r for r in records if "eval/accuracy" in r]
+    if not evals:
+        raise ValueError(f"{run_dir} has no held-out evaluation; quickstart needs eval.every > 0")
+    last = records[-1]
+    pvpo = json.loads((Path(run_dir) / "pvpo.json").read_text())
+    filter_file = Path(run_dir) / "pvpo_filter.json"
+    return {
+        "task": cfg.task,
+        "model": cfg.model,
+        "run_dir": str(run_dir),
+        "steps": last["step"],
+        "steps_asked": cfg.steps,
+        "accuracy_before": evals[0]["eval/accuracy"],
+        "accuracy_after": evals[-1]["eval/accuracy"],
+        "eval_prompts": cfg.eval.prompts,
+        "rollouts_policy": last["rollouts/cumulative"],
+        "rollouts_presample": last["rollouts/presample"],
+        "rollouts_total": last["rollouts/total"],
+        "training_prompts": pvpo["training_prompts"],
+        "prompts": pvpo["prompts"],
+        "reference_accuracy": pvpo["reference_accuracy"],
+        "filter": json.loads(filter_file.read_text()) if filter_file.is_file() else None,
+        "sft_s": sft_s,
+        "setup_s": setup_s,
+        "train_s": last["time/elapsed"],
+        "total_s": total_s,
+        "curve": [(r["step"], r["eval/accuracy"]) for r in evals],
+        "reward": [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r],
+    }
+
+
+def write_report(out: Path, facts: Mapping[str, Any]) -> tuple[Path, Path]:
+    """``report.md`` and ``report.png`` (held-out accuracy and training reward against steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    left.plot(*zip(*facts["curve"], strict=True), marker="o")
+    left.set(xlabel="step", ylabel="held-out accuracy", title=f"{facts['task']}: held-out")
+    if facts["reward"]:
+        right.plot(*zip(*facts["reward"], strict=True))
+    right.set(xlabel="step", ylabel="mean reward", title="training rollouts")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = out / REPORT_PNG
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    md = out / REPORT_MD
+    md.write_text(_markdown(facts))
+    return md, png
+
+
+def _markdown(f: Mapping[str, Any]) -> str:
+    stopped = "" if f["steps"] == f["steps_asked"] else f" (time limit; {f['steps_asked']} asked)"
+    lines = [
+        f"# anchor-rl quickstart: PVPO on `{f['task']}`",
+        "",
+        f"Policy and reference `{f['model']}`; run directory `{f['run_dir']}` "
+        f"(`anchor-rl train --resume {f['run_dir']} steps=N` continues it).",
+        "",
+        "| | |",
+        "| --- | ---: |",
+        f"| held-out accuracy before training | {f['accuracy_before']:.3f} |",
+        f"| held-out accuracy after training | {f['accuracy_after']:.3f} |",
+        f"| held-out prompts (greedy) | {f['eval_prompts']} |",
+        f"| training steps | {f['steps']}{stopped} |",
+        f"| training prompts after group sampling | {f['training_prompts']} of {f['prompts']} |",
+        f"| reference accuracy on the training prompts (presampled) | {f['reference_accuracy']:.3f} |",
+        f"| rollouts: training | {f['rollouts_policy']:.0f} |",
+        f"| rollouts: presampling | {f['rollouts_presample']:.0f} |",
+        f"| rollouts: total | {f['rollouts_total']:.0f} |",
+        f"| wall time: SFT reference (0 when cached) | {f['sft_s']:.0f} s |",
+        f"| wall time: presampling and group sampling | {f['setup_s']:.0f} s |",
+        f"| wall time: training and evaluation | {f['train_s']:.0f} s |",
+        f"| wall time: total | {f['total_s']:.0f} s |",
+        "",
+        f"![held-out accuracy and training reward]({REPORT_PNG})",
+        "",
+    ]
+    if f["filter"] is not None:
+        frac = f["filter"]["fractions"]
+        paper = f["filter"]["paper"]["accuracy_distribution"]
+        lines += [
+            "## Group sampling",
+            "",
+            "| reference accuracy | this run | " + " | ".join(f"paper: {p}" for p in paper) + " |",
+            "| --- | ---: | " + " | ".join("---:" for _ in paper) + " |",
+        ]
+        for label, key in (("0", "acc_zero"), ("0 < acc < 1", "acc_mixed"), ("1", "acc_one")):
+            cells = " | ".join(f"{d[key]:.1%}" for d in paper.values())
+            lines.append(f"| {label} | {frac[key]:.1%} | {cells} |")
+        lines += [
+            "",
+            f"Kept {frac['training']:.1%} of the prompts ({frac['with_teacher']:.1%} with a teacher "
+            f"trajectory); filtered out {frac['dropped']:.1%} (paper: "
+            f"{f['filter']['paper']['filtered']}).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def quickstart(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Config overrides for the run, key=value with dotted keys."),
+    ] = None,
+    task: Annotated[
+        str, typer.Option("--task", help="Task: arithmetic, countdown or multihop.")
+    ] = "arithmetic",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Run and report directory (default: runs/quickstart-TASK-TIME)."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Training steps (default 60).")
+    ] = None,
+    time_limit: Annotated[
+        float | None,
+        typer.Option("--time-limit", min=1.0, help="Stop training after this many seconds."),
+    ] = None,
+) -> None:
+    """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
+    held-out evaluation before and after, and a report (markdown and PNG)."""
+    try:
+        cfg = quickstart_config(task, steps, time_limit, overrides or [])
+        run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+        result = run_quickstart(cfg, run_dir)
+    except (ConfigError, FileExistsError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
+        f"in {result['total_s']:.0f} s"
+    )
+    typer.echo(f"report: {result['report_md']} (plot: {result['report_png']})")

@@ -1,0 +1,286 @@
+"""Benchmark suites: a matrix of presets x variants x seeds, each run in its own directory.
+
+A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
+
+    description = "what the suite compares"
+    presets = ["grpo", "dapo"]          # trainer presets
+    seeds = [0, 1, 2]
+
+    [base]                              # config set for every run (sections as in TrainConfig)
+    task = "arithmetic"
+    steps = 40
+    [base.rollout]
+    n = 8
+
+    [variants.n4]                       # optional: named extra settings, crossed with presets
+    rollout = { n = 4 }
+
+    [profiles.quick]                    # optional: a named layer picked with --profile/--quick
+    steps = 2
+
+    runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
+    target_accuracy = 0.5               # optional: report wall time and rollouts to reach it
+
+Settings apply in this order: preset, ``base``, the profile, the variant, ``seed``, the
+command line (``--steps``, ``key=value``). Every run's config is validated before the first
+run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
+from their checkpoint, so re-running a suite command continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from anchor_rl.trainer.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    build_config,
+    parse_override,
+    read_preset,
+)
+
+SUITE_KEYS = {
+    "description",
+    "presets",
+    "seeds",
+    "base",
+    "variants",
+    "profiles",
+    "runs",
+    "target_accuracy",
+}
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A parsed suite file."""
+
+    name: str
+    description: str
+    presets: list[str]
+    seeds: list[int]
+    base: dict[str, Any] = field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: list[str] = field(default_factory=list)
+    """Labels (``preset`` or ``preset+variant``) of the cells to run; empty: every cell."""
+    target_accuracy: float | None = None
+    """Held-out accuracy whose first crossing the summary times (``target_*`` figures)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of the matrix: its label, seed, validated config and directory."""
+
+    label: str
+    seed: int
+    config: TrainConfig
+    run_dir: Path
+
+
+def suite_names() -> list[str]:
+    """Names of the built-in suites."""
+    files = resources.files("anchor_rl.bench") / "suites"
+    return sorted(p.name.removesuffix(".toml") for p in files.iterdir() if p.name.endswith(".toml"))
+
+
+def load_suite(name_or_path: str) -> Suite:
+    """A built-in suite by name or a suite TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.is_file():
+        text, name = path.read_text(), path.stem
+    else:
+        file = resources.files("anchor_rl.bench") / "suites" / f"{name_or_path}.toml"
+        if not file.is_file():
+            raise ConfigError(
+                f"unknown suite {name_or_path!r}; built-in suites: {', '.join(suite_names())} "
+                "(or pass a path to a .toml file)"
+            )
+        text, name = file.read_text(), name_or_path
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"suite {name_or_path!r} is not valid TOML: {e}") from e
+    unknown = set(table) - SUITE_KEYS
+    if unknown:
+        raise ConfigError(
+            f"suite {name!r}: unknown keys {sorted(unknown)}; allowed: {sorted(SUITE_KEYS)}"
+        )
+    if not table.get("presets"):
+        raise ConfigError(f"suite {name!r}: `presets` must list at least one preset")
+    return Suite(
+        name=name,
+        description=table.get("description", ""),
+        presets=list(table["presets"]),
+        seeds=list(table.get("seeds", [0])),
+        base=table.get("base", {}),
+        variants=table.get("variants", {}),
+        profiles=table.get("profiles", {}),
+        runs=list(table.get("runs", [])),
+        target_accuracy=table.get("target_accuracy"),
+    )
+
+
+def plan(
+    suite: Suite,
+    out: Path,
+    seeds: Sequence[int] | None = None,
+    steps: int | None = None,
+    overrides: Sequence[str] = (),
+    profile: str | None = None,
+) -> list[RunSpec]:
+    """Every run of the suite with its validated config; raises ConfigError before any run.
+
+    Directories: ``OUT/<preset>[+<variant>]/seed<k>``.
+    """
+    if profile is not None and profile not in suite.profiles:
+        known = ", ".join(suite.profiles) or "none"
+        raise ConfigError(f"suite {suite.name!r} has no profile {profile!r} (profiles: {known})")
+    cli = dict(parse_override(o) for o in overrides)
+    if steps is not None:
+        cli["steps"] = steps
+    layers = [suite.base, suite.profiles.get(profile, {}) if profile else {}]
+    variants = suite.variants or {"": {}}
+    labels = [f"{p}+{v}" if v else p for p in suite.presets for v in variants]
+    if missing := [r for r in suite.runs if r not in labels]:
+        raise ConfigError(f"suite {suite.name!r}: runs {missing} are not among {labels}")
+    specs = []
+    for preset in suite.presets:
+        for variant, settings in variants.items():
+            label = f"{preset}+{variant}" if variant else preset
+            if suite.runs and label not in suite.runs:
+                continue
+            for seed in seeds if seeds is not None else suite.seeds:
+                table = read_preset(preset)
+                for layer in (*layers, settings, {"seed": seed}):
+                    table = _merge(table, layer)
+                try:
+                    cfg = build_config(apply_overrides(table, cli))
+                except ConfigError as e:
+                    raise ConfigError(
+                        f"suite {suite.name!r}, run {label} seed {seed}: {e}"
+                    ) from None
+                specs.append(RunSpec(label, seed, cfg, Path(out) / label / f"seed{seed}"))
+    _check_tasks(specs)
+    return specs
+
+
+def _check_tasks(specs: Sequence[RunSpec]) -> None:
+    """Build each distinct task once, so a bad task name or argument fails before any run."""
+    from anchor_rl.trainer.run import load_task
+
+    seen = set()
+    for spec in specs:
+        key = (spec.config.task, json.dumps(spec.config.task_args, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            load_task(spec.config)
+
+
+def run_spec(spec: RunSpec) -> None:
+    """Train one run to completion: skip a finished one, resume a stopped one.
+
+    A directory holding a run of a different config (besides ``steps`` and what it logs)
+    is an error, never silently reused.
+    """
+    from anchor_rl.trainer.checkpoint import list_checkpoints
+    from anchor_rl.trainer.loop import train
+    from anchor_rl.trainer.run import CONFIG_FILE, SUMMARY_FILE, resume_run, start_run
+
+    stored = spec.run_dir / CONFIG_FILE
+    if stored.is_file() and list_checkpoints(spec.run_dir):
+        _check_same_run(spec, json.loads(stored.read_text()))
+        if (spec.run_dir / SUMMARY_FILE).is_file() and _stored_steps(spec) == spec.config.steps:
+            return
+        train(resume_run(spec.run_dir, {"steps": spec.config.steps}))
+        return
+    if spec.run_dir.exists():
+        shutil.rmtree(spec.run_dir)  # started but stopped before its first checkpoint
+    train(start_run(spec.config, spec.run_dir))
+
+
+def _check_same_run(spec: RunSpec, stored: dict[str, Any]) -> None:
+    from anchor_rl.trainer.run import RESUMABLE_KEYS
+
+    def learning(table: dict[str, Any]) -> dict[str, Any]:
+        sections = {k.rstrip(".") for k in RESUMABLE_KEYS}
+        return {k: v for k, v in table.items() if k not in sections}
+
+    if learning(stored) != learning(spec.config.model_dump(mode="json")):
+        raise ConfigError(
+            f"{spec.run_dir} holds a run with a different config; pass another --out or delete it"
+        )
+
+
+def _stored_steps(spec: RunSpec) -> int:
+    from anchor_rl.trainer.run import SUMMARY_FILE
+
+    return json.loads((spec.run_dir / SUMMARY_FILE).read_text())["steps"]
+
+
+def run_suite(
+    suite: Suite,
+    out: Path,
+    seeds: Sequence[int] | None = None,
+    steps: int | None = None,
+    overrides: Sequence[str] = (),
+    profile: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Plan, validate, run every cell in turn, then write the summary and the plots.
+
+    Returns ``{"summary_json", "summary_md", "plots"}`` paths.
+    """
+    specs = plan(suite, out, seeds, steps, overrides, profile)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for i, spec in enumerate(specs, 1):
+        echo(f"[{i}/{len(specs)}] {spec.label} seed {spec.seed} -> {spec.run_dir}")
+        run_spec(spec)
+    return report(suite.name, specs, Path(out), suite.target_accuracy)
+
+
+def report(
+    name: str, specs: Sequence[RunSpec], out: Path, target: float | None = None
+) -> dict[str, Any]:
+    """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
+    held-out accuracy whose first crossing is timed)."""
+    from anchor_rl.bench.plots import plot_suite
+    from anchor_rl.bench.summary import run_figures, summarise, write_summary
+    from anchor_rl.trainer.logging import read_metrics
+
+    records = {spec.run_dir: read_metrics(spec.run_dir) for spec in specs}
+    runs = [
+        {
+            "label": spec.label,
+            "seed": spec.seed,
+            "dir": str(spec.run_dir),
+            "figures": run_figures(records[spec.run_dir], target),
+        }
+        for spec in specs
+    ]
+    groups = summarise(runs)
+    json_path, md_path = write_summary(out, name, runs, groups)
+    by_label: dict[str, list] = {}
+    for spec in specs:
+        by_label.setdefault(spec.label, []).append(records[spec.run_dir])
+    plots = plot_suite(by_label, out, f"suite {name}")
+    return {"summary_json": json_path, "summary_md": md_path, "plots": plots}
+
+
+def _merge(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``layer`` merged in, nested tables merged key by key."""
+    out = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,114 @@
+"""Mean and Student-t confidence intervals over seeds (no scipy needed).
+
+The t quantile comes from inverting the t CDF, which is a regularised incomplete beta
+function; that function is evaluated with its continued fraction (modified Lentz).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of ``n`` values and the two-sided interval ``mean ± half_width``.
+
+    ``half_width`` is None when ``n < 2`` (no spread to estimate).
+    """
+
+    mean: float
+    half_width: float | None
+    n: int
+
+    @property
+    def low(self) -> float | None:
+        return None if self.half_width is None else self.mean - self.half_width
+
+    @property
+    def high(self) -> float | None:
+        return None if self.half_width is None else self.mean + self.half_width
+
+    def fmt(self, digits: int = 3) -> str:
+        """``0.512 ± 0.031`` (or just the mean when there is no interval)."""
+        if self.half_width is None:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} ± {self.half_width:.{digits}f}"
+
+
+def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Mean and Student-t interval ``mean ± t_{(1+c)/2, n-1} * s / sqrt(n)``, s the sample std."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("t_interval needs at least one value")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    mean = math.fsum(values) / n
+    if n == 1:
+        return Interval(mean, None, 1)
+    s = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    return Interval(mean, t_quantile((1 + confidence) / 2, n - 1) * s / math.sqrt(n), n)
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t (bisection on :func:`t_cdf`, to ~1e-12)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use symmetry otherwise.
+    if x < (a + 1) / (a + b + 2):
+        return math.exp(log_front) * _beta_cf(a, b, x) / a
+    return 1 - math.exp(log_front) * _beta_cf(b, a, 1 - x) / b
+
+
+def _beta_cf(a: float, b: float, x: float) -> float:
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < eps:
+            break
+    return h

@@ -1,0 +1,278 @@
+"""Suite ``throughput``: rollout and update tokens per second of the built-in model sizes,
+and the share of a step spent generating, scoring and updating.
+
+Each size trains a few real steps of the ``grpo`` preset (``OUT/grpo+SIZE/seed0``, a normal
+run directory) and its ``time/*`` metrics give, over the measured steps (the first step
+is a warm-up and is left out when there are more):
+
+* rollout tokens/s = policy tokens generated / seconds in ``time/generate``;
+* update tokens/s = the same tokens / seconds in ``time/update`` (old and reference
+  log-probs, advantage, optimizer step);
+* the fraction of ``time/step`` in generate, score, update and the rest.
+
+The models are random inits (``random:SIZE``, no SFT run needed for the larger sizes): their
+responses end at a random stop or eos token or at the budget, about half the budget on
+average at every size, so the sizes generate similar token counts. On the CPU all sizes run;
+on another device (``--device cuda``) only the largest.
+Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from anchor_rl.bench.runner import Suite, plan, run_spec
+
+SIZE_ORDER = ("tiny", "small", "base")
+STAGES = ("generate", "score", "update")
+WARMUP_STEPS = 1
+
+
+def throughput_suite(sizes: Sequence[str] = SIZE_ORDER) -> Suite:
+    """The suite: ``grpo`` at the trainer's default scale (8 prompts x 8 responses, 80 new
+    tokens), 3 steps, one variant per size; profile ``quick`` is a 1-step smoke run."""
+    return Suite(
+        name="throughput",
+        description="tokens per second and stage shares of the built-in sizes",
+        presets=["grpo"],
+        seeds=[0],
+        base={
+            "task": "arithmetic",
+            "steps": 3,
+            "rollout": {"prompts_per_step": 8, "n": 8, "max_new_tokens": 80},
+            "eval": {"every": 0},
+            "checkpoint": {"every": 0},
+            "log": {"tensorboard": False, "progress": True},
+        },
+        variants={size: {"model": f"random:{size}"} for size in sizes},
+        profiles={
+            "quick": {
+                "steps": 1,
+                "rollout": {"prompts_per_step": 2, "n": 2, "max_new_tokens": 8},
+                "log": {"progress": False},
+            }
+        },
+    )
+
+
+def default_sizes(device: str, profile: str | None = None) -> tuple[str, ...]:
+    """Every size on the CPU, the largest elsewhere; ``tiny`` for the quick profile."""
+    if profile == "quick":
+        return ("tiny",)
+    return SIZE_ORDER if device == "cpu" else SIZE_ORDER[-1:]
+
+
+def stage_figures(
+    records: Sequence[Mapping[str, float]], warmup: int = WARMUP_STEPS
+) -> dict[str, float]:
+    """Throughput figures of one run from its metric records.
+
+    The first ``warmup`` training steps are left out when more steps than that exist.
+    Returns ``steps`` (measured), ``tokens_per_step``, ``s_per_step``, ``rollout_tok_s``,
+    ``update_tok_s`` and ``frac_generate``, ``frac_score``, ``frac_update``, ``frac_other``
+    (shares of the summed ``time/step``).
+    """
+    steps = [r for r in records if r["step"] > 0]
+    if not steps:
+        raise ValueError("the run has no training step in its metrics")
+    measured = steps[warmup:] if len(steps) > warmup else steps
+    tokens = sum(r["tokens/step"] for r in measured)
+    seconds = {s: sum(r[f"time/{s}"] for r in measured) for s in STAGES}
+    total = sum(r["time/step"] for r in measured)
+    out = {
+        "steps": float(len(measured)),
+        "tokens_per_step": tokens / len(measured),
+        "s_per_step": total / len(measured),
+        "rollout_tok_s": tokens / seconds["generate"],
+        "update_tok_s": tokens / seconds["update"],
+    }
+    for stage in STAGES:
+        out[f"frac_{stage}"] = seconds[stage] / total
+    out["frac_other"] = 1.0 - sum(out[f"frac_{s}"] for s in STAGES)
+    return out
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of a built-in size (tied embeddings once), counted on the meta device."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from anchor_rl.models.factory import model_config
+    from anchor_rl.models.tokenizer import build_tokenizer
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config(size, build_tokenizer()))
+    return sum(p.numel() for p in model.parameters())
+
+
+def host_info(device: str) -> dict[str, Any]:
+    """The device by name, torch's thread count and the library versions."""
+    import torch
+
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = _cpu_name()
+    versions = {}
+    for package in ("torch", "transformers", "trl", "accelerate"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "device": device,
+        "device_name": name,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def run_throughput_suite(
+    out: Path,
+    seeds: Sequence[int] | None = None,
+    steps: int | None = None,
+    overrides: Sequence[str] = (),
+    profile: str | None = None,
+    echo: Callable[[str], None] = print,
+    sizes: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Train each size for a few steps (finished runs are reused) and write the figures.
+
+    ``sizes`` defaults to :func:`default_sizes` for the runs' device. Returns
+    ``{"summary_json", "summary_md", "plots"}`` paths.
+    """
+    from anchor_rl.trainer.logging import read_metrics
+
+    out = Path(out)
+    specs = plan(throughput_suite(), out, seeds, steps, overrides, profile)
+    device = specs[0].config.device
+    wanted = tuple(sizes) if sizes is not None else default_sizes(device, profile)
+    unknown = set(wanted) - set(SIZE_ORDER)
+    if unknown:
+        raise ValueError(f"unknown sizes {sorted(unknown)}; sizes: {', '.join(SIZE_ORDER)}")
+    specs = [s for s in specs if s.label.split("+")[1] in wanted]
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, spec in enumerate(specs, 1):
+        size = spec.label.split("+")[1]
+        echo(f"[{i}/{len(specs)}] {size} seed {spec.seed} -> {spec.run_dir}")
+        run_spec(spec)
+        rows.append(
+            {
+                "size": size,
+                "seed": spec.seed,
+                "dir": str(spec.run_dir),
+                "parameters": parameter_count(size),
+                "figures": stage_figures(read_metrics(spec.run_dir)),
+            }
+        )
+    cfg = specs[0].config
+    payload = {
+        "suite": "throughput",
+        "command": command_line("throughput", out, seeds, steps, overrides, profile),
+        "host": host_info(device),
+        "settings": {
+            "preset": cfg.preset,
+            "task": cfg.task,
+            "steps": cfg.steps,
+            "warmup_steps_excluded": WARMUP_STEPS if cfg.steps > WARMUP_STEPS else 0,
+            "prompts_per_step": cfg.rollout.prompts_per_step,
+            "n": cfg.rollout.n,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "kl_coef": cfg.kl.coef,
+        },
+        "rows": rows,
+    }
+    json_path, md_path = out / "throughput.json", out / "throughput.md"
+    json_path.write_text(json.dumps(payload, indent=2))
+    md_path.write_text(markdown(payload))
+    plot = out / "stage_time.png"
+    plot_stages(rows, plot)
+    return {"summary_json": json_path, "summary_md": md_path, "plots": [plot]}
+
+
+def markdown(payload: Mapping[str, Any]) -> str:
+    """The figures as a markdown table, with the setting and the command."""
+    host, s = payload["host"], payload["settings"]
+    lines = [
+        "# Suite `throughput`",
+        "",
+        f"Device {host['device']} ({host['device_name']}), {host['torch_threads']} torch "
+        f"thread(s), torch {host['versions']['torch']}. Preset `{s['preset']}` on "
+        f"`{s['task']}`: {s['prompts_per_step']} prompts x {s['n']} responses per step, at most "
+        f"{s['max_new_tokens']} new tokens, KL beta {s['kl_coef']:g} (a reference forward pass "
+        f"per step); random-init models; {s['steps']} steps, the first "
+        f"{s['warmup_steps_excluded']} left out as warm-up.",
+        "",
+        "Rollout tokens/s: policy tokens / seconds generating. Update tokens/s: the same tokens "
+        "/ seconds in log-probs (old and reference policy), advantage and the optimizer step. "
+        "Shares are of the whole step.",
+        "",
+        "| size | parameters | tokens/step | rollout tok/s | update tok/s | s/step | generate "
+        "| score | update | other |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in payload["rows"]:
+        f = row["figures"]
+        lines.append(
+            f"| {row['size']} | {row['parameters'] / 1e6:.1f}M | {f['tokens_per_step']:.0f} | "
+            f"{f['rollout_tok_s']:.0f} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
+            + " | ".join(f"{100 * f[f'frac_{k}']:.1f}%" for k in (*STAGES, "other"))
+            + " |"
+        )
+    lines += ["", f"Command: `{payload['command']}`", ""]
+    return "\n".join(lines)
+
+
+def plot_stages(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Horizontal stacked bars: seconds per step in each stage, one bar per size."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 1.2 + 0.6 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    labels = [r["size"] for r in rows]
+    left = [0.0] * len(rows)
+    for stage in (*STAGES, "other"):
+        widths = [r["figures"][f"frac_{stage}"] * r["figures"]["s_per_step"] for r in rows]
+        ax.barh(labels, widths, left=left, label=stage)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds per step")
+    ax.invert_yaxis()
+    ax.set_title("where a step's time goes")
+    fig.legend(fontsize=8, ncols=4, loc="outside lower center")
+    fig.savefig(path, dpi=110)
+
+
+def command_line(
+    suite: str,
+    out: Path,
+    seeds: Sequence[int] | None,
+    steps: int | None,
+    overrides: Sequence[str],
+    profile: str | None,
+) -> str:
+    """The ``anchor-rl bench`` command that reproduces a function suite's run."""
+    parts = [f"anchor-rl bench {suite}", f"--out {out}"]
+    if seeds is not None:
+        parts.append("--seeds " + ",".join(map(str, seeds)))
+    if steps is not None:
+        parts.append(f"--steps {steps}")
+    if profile is not None:
+        parts.append(f"--profile {profile}")
+    parts += list(overrides)
+    return " ".join(parts)

@@ -1,0 +1,291 @@
+"""SFT warm start: train a reference policy on a task's reference traces.
+
+Each example is ``prompt (chat template) + task.trace(record) + eos``; the loss is the
+token-mean cross-entropy over the trace's policy tokens and eos (prompt tokens and tool
+result blocks carry no loss). Runs are cached by a hash of their configuration, so a
+second call with the same settings returns the saved model at once.
+
+Per-task defaults (``TASK_DEFAULTS``) are tuned so the tiny reference sits in the middle
+of the difficulty range: see docs/testbed.md for the calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.loading import save_policy
+from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
+
+if TYPE_CHECKING:
+    from anchor_rl.tasks.base import Record, Task
+
+SFT_VERSION = 2  # bump whenever a code change alters what a given config trains
+GENERIC_DEFAULTS: dict[str, Any] = {"steps": 400, "lr": 3e-3, "batch_size": 32}
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Everything that determines an SFT run (and so its cache key).
+
+    task, task_kwargs: the task name and constructor kwargs for ``get_task``.
+    size: a key of ``SIZES``. steps, batch_size: optimiser steps and sequences per step.
+    lr: peak AdamW learning rate (linear warmup over ``warmup`` steps, cosine decay to
+    ``lr / 10``). seed: model initialisation and data order.
+    """
+
+    task: str
+    size: str = "tiny"
+    steps: int = GENERIC_DEFAULTS["steps"]
+    lr: float = GENERIC_DEFAULTS["lr"]
+    batch_size: int = GENERIC_DEFAULTS["batch_size"]
+    seed: int = 0
+    warmup: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def key(self) -> str:
+        """A 16-hex-digit hash of the config and ``SFT_VERSION``."""
+        blob = json.dumps({"version": SFT_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_config(task: str, size: str = "tiny", **overrides: Any) -> SFTConfig:
+    """The config for ``task`` with its tuned defaults; ``None`` overrides are ignored."""
+    values = {**GENERIC_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values["task_kwargs"] = dict(values.get("task_kwargs") or {})  # None and {} hash alike
+    return SFTConfig(task=task, size=size, **values)
+
+
+def cache_root() -> Path:
+    """``$ANCHOR_RL_CACHE`` or ``~/.cache/anchor-rl``."""
+    return Path(os.environ.get("ANCHOR_RL_CACHE", Path.home() / ".cache" / "anchor-rl"))
+
+
+def sft_dir(cfg: SFTConfig, out: str | Path | None = None) -> Path:
+    """Where a run of ``cfg`` lives: ``out`` or ``cache_root() / "sft" / cfg.key()``."""
+    return Path(out) if out is not None else cache_root() / "sft" / cfg.key()
+
+
+def sft_example(
+    tokenizer: PreTrainedTokenizerBase, task: Task, record: Record
+) -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)`` of one training sequence: prompt, trace and eos."""
+    from anchor_rl.rollout.agent import encode_completion
+
+    prompt = encode_prompt(tokenizer, record.prompt, task.instruction)
+    response, policy = encode_completion(tokenizer, task.trace(record))
+    ids = [*prompt, *response, tokenizer.eos_token_id]
+    mask = [0] * len(prompt) + [int(p) for p in policy] + [1]
+    return ids, mask
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad examples into ``input_ids[B, L]``, ``attention_mask[B, L]``, ``loss_mask[B, L]``."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    loss = torch.zeros((len(examples), width))
+    for i, (row, mask) in enumerate(examples):
+        ids[i, : len(row)] = torch.as_tensor(row)
+        attention[i, : len(row)] = 1
+        loss[i, : len(row)] = torch.as_tensor(mask, dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+
+
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token-mean next-token cross-entropy over positions with ``loss_mask`` 1."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
+    return (nll * mask.reshape(-1)).sum() / mask.sum().clamp(min=1)
+
+
+def lr_at(step: int, cfg: SFTConfig) -> float:
+    """Linear warmup to ``cfg.lr`` then cosine decay to ``cfg.lr / 10`` at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def length_bucketed_batches(
+    lengths: list[int], batch_size: int, steps: int, generator: torch.Generator, pool: int = 16
+):
+    """``steps`` index batches, every example once per epoch (seeded permutations).
+
+    Indices are taken ``pool`` batches at a time, sorted by length, cut into batches and
+    yielded in a shuffled order, so a batch holds similar lengths and little padding.
+    """
+    order: list[int] = []
+    pending: list[list[int]] = []
+    for _ in range(steps):
+        if not pending:
+            while len(order) < batch_size * pool:
+                order += torch.randperm(len(lengths), generator=generator).tolist()
+            chunk, order = (
+                sorted(order[: batch_size * pool], key=lengths.__getitem__),
+                order[batch_size * pool :],
+            )
+            batches = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+            pending = [
+                batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()
+            ]
+        yield pending.pop()
+
+
+def save_loss_curve(losses: list[float], path: Path, title: str) -> None:
+    """Plot per-step loss with a moving average to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = max(1, len(losses) // 50)
+    smooth = [
+        sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+        for i in range(len(losses))
+    ]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, alpha=0.3, label="loss")
+    ax.plot(smooth, label=f"moving average ({window})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def is_complete(path: Path, cfg: SFTConfig) -> bool:
+    """Whether ``path`` holds a finished run of exactly ``cfg``."""
+    meta = path / "sft_config.json"
+    if not meta.is_file() or not (path / "config.json").is_file():
+        return False
+    return json.loads(meta.read_text()).get("key") == cfg.key()
+
+
+def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
+    """Train per ``cfg`` and save model, tokenizer, ``sft_config.json``, ``loss.json`` and
+    ``loss_curve.png`` to ``out``. Returns the per-step losses."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from anchor_rl.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_kwargs)
+    tokenizer = build_tokenizer()
+    records = task.records("train")
+    if not records:
+        raise ValueError(f"task {cfg.task!r} has no train records")
+    examples = [sft_example(tokenizer, task, r) for r in records]
+    model = build_model(cfg.size, tokenizer, seed=cfg.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
+    generator = torch.Generator().manual_seed(cfg.seed)
+    losses: list[float] = []
+    columns = (
+        TextColumn("SFT {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, disable=not progress) as bar:
+        job = bar.add_task(f"{cfg.task}/{cfg.size}", total=cfg.steps, loss=float("nan"))
+        lengths = [len(ids) for ids, _ in examples]
+        batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.steps, generator)
+        for step, idx in enumerate(batches):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss = sft_loss(model, collate([examples[i] for i in idx], tokenizer.pad_token_id))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            losses.append(loss.item())
+            bar.update(job, advance=1, loss=losses[-1])
+    model.eval()
+    save_policy(model, tokenizer, out)
+    (out / "loss.json").write_text(json.dumps(losses))
+    save_loss_curve(losses, out / "loss_curve.png", f"SFT {cfg.task} / {cfg.size}")
+    (out / "sft_config.json").write_text(
+        json.dumps({"key": cfg.key(), "version": SFT_VERSION, **asdict(cfg)}, indent=2)
+    )
+    return losses
+
+
+def train_sft(
+    task_name: str,
+    size: str = "tiny",
+    *,
+    steps: int | None = None,
+    lr: float | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    task_kwargs: dict[str, Any] | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
+    """Train (or fetch from cache) the SFT reference for a task; returns its directory.
+
+    ``None`` arguments take the task's tuned defaults (``TASK_DEFAULTS``). Without
+    ``out`` the model goes to ``cache_root() / "sft" / <config hash>``. A directory that
+    already holds a finished run of the same config is returned without training; a run
+    is written to a temporary sibling first and moved into place when complete.
+    """
+    cfg = default_config(
+        task_name,
+        size,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        task_kwargs=task_kwargs,
+    )
+    path = sft_dir(cfg, out)
+    if is_complete(path, cfg):
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(
+            f"{path} exists and does not hold this SFT config; choose another --out"
+        )
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        run_sft(cfg, tmp, progress=progress)
+        if is_complete(path, cfg):  # a concurrent run of the same config finished first
+            return path
+        if path.exists():
+            path.rmdir()
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,131 @@
+"""The agent loop: generate, run the tool the policy called, append its result, repeat.
+
+Rows advance turn by turn together: each turn generates for every row still active in
+one batch; rows that answered, ran out of budget or hit ``max_turns`` drop out, so they
+never hold the others back. Tool output tokens are attended to but carry no loss.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.tools.base import Tool
+from anchor_rl.tools.parsing import format_result, parse_tool_call
+
+
+@dataclass
+class Response:
+    """One response being built: tokens with per-token log-prob and policy flag."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    tool_calls: int = 0
+    truncated: bool = False
+    done: bool = False
+
+    def extend(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        """Append policy tokens (with their log-probs) or, without log-probs, tool tokens."""
+        self.tokens.extend(tokens)
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+        self.policy.extend([logprobs is not None] * len(tokens))
+
+
+def tool_result(turn_text: str, tools: Mapping[str, Tool]) -> str:
+    """The formatted result block for the tool call that ends ``turn_text``.
+
+    Never raises: a call that does not parse, or a tool that raises, becomes
+    ``error: ...`` text inside the result block, for the policy to read.
+    """
+    call = parse_tool_call(turn_text, list(tools))
+    if call is None:
+        return format_result("error: malformed tool call (a close tag without its opening tag)")
+    tag, query = call
+    try:
+        output = tools[tag](query)
+    except Exception as exc:  # a tool failure is an observation, not a crash
+        output = f"error: {type(exc).__name__}: {exc}"
+    return format_result(output)
+
+
+def run_agent(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    tools: Mapping[str, Tool] | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Response]:
+    """Sample one response per prompt (token lists), calling ``tools`` when the policy asks.
+
+    A turn ends at a stop (eos, ``params.stop``, a tool's close tag) or when the response
+    reaches ``params.max_new_tokens`` (then it is truncated). After a tool close tag the
+    tool runs and ``<result>...</result>`` is appended (cut to the remaining budget, which
+    also truncates), up to ``params.max_turns`` calls; a call beyond that ends the response.
+    """
+    tools = dict(tools or {})
+    close_tags = {f"</{tag}>" for tag in tools}
+    stops = StopSet.build(tokenizer, [*params.stop, *close_tags], eos_ids(model, tokenizer))
+    responses = [Response() for _ in prompts]
+    while active := [i for i, r in enumerate(responses) if not r.done]:
+        turns = generate_turn(
+            model,
+            tokenizer,
+            [[*prompts[i], *responses[i].tokens] for i in active],
+            [params.max_new_tokens - len(responses[i].tokens) for i in active],
+            params.temperature,
+            params.top_p,
+            stops,
+            generator,
+        )
+        for i, turn in zip(active, turns, strict=True):
+            r = responses[i]
+            r.extend(turn.tokens, turn.logprobs)
+            if turn.stop is None:
+                r.truncated = r.done = True
+            elif turn.stop not in close_tags or r.tool_calls >= params.max_turns:
+                r.done = True
+            else:
+                result = tokenizer.encode(
+                    tool_result(tokenizer.decode(turn.tokens), tools), add_special_tokens=False
+                )
+                room = params.max_new_tokens - len(r.tokens)
+                r.extend(result[:room])
+                r.tool_calls += 1
+                if len(result) >= room:
+                    r.truncated = r.done = True
+    return responses
+
+
+def encode_completion(
+    tokenizer: PreTrainedTokenizerBase, text: str
+) -> tuple[list[int], list[bool]]:
+    """Tokenise a finished completion the way the agent loop builds one.
+
+    Result blocks (``format_result`` output) are encoded separately and flagged
+    ``False`` (tool output, no loss); the text between them is policy text, flagged
+    ``True``. Used to train on or score reference traces with tool turns.
+    """
+    prefix, suffix = format_result("\x00").split("\x00")
+    pattern = re.compile(re.escape(prefix) + ".*?" + re.escape(suffix), re.DOTALL)
+    pieces: list[tuple[str, bool]] = []
+    start = 0
+    for match in pattern.finditer(text):
+        pieces += [(text[start : match.start()], True), (match.group(), False)]
+        start = match.end()
+    pieces.append((text[start:], True))
+    ids: list[int] = []
+    policy: list[bool] = []
+    for segment, is_policy in pieces:
+        if segment:
+            segment_ids = tokenizer.encode(segment, add_special_tokens=False)
+            ids += segment_ids
+            policy += [is_policy] * len(segment_ids)
+    return ids, policy

@@ -1,0 +1,135 @@
+"""Sampling-based evaluation: avg@k, unbiased pass@k and the per-prompt accuracy histogram.
+
+For P prompts with k samples each, ``acc_p = c_p / k`` (c_p correct samples);
+avg@k is the mean of ``acc_p``; pass@j (j <= k) uses the unbiased estimator
+``1 - C(k - c, j) / C(k, j)`` averaged over prompts (Chen et al., 2021). The histogram
+gives the fraction of prompts with acc = 0, 0 < acc < 1 and acc = 1, the three classes
+PVPO's group sampling treats differently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.types import SamplingParams
+
+if TYPE_CHECKING:
+    from anchor_rl.tasks.base import Record, Split, Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased probability that at least one of k draws (without replacement) from n
+    samples with c correct is correct: ``1 - C(n - c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    ratio = 1.0  # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
+    for i in range(n - c + 1, n + 1):
+        ratio *= 1.0 - k / i
+    return 1.0 - ratio
+
+
+def pass_ks(k: int) -> list[int]:
+    """The j reported as pass@j: powers of two below k, and k."""
+    return sorted({2**i for i in range(k.bit_length()) if 2**i < k} | {k})
+
+
+def accuracy_metrics(correct: Sequence[int], k: int) -> dict[str, float]:
+    """avg@k, pass@j and the histogram from correct counts per prompt (each in 0..k)."""
+    if not correct:
+        raise ValueError("no prompts to summarise")
+    p = len(correct)
+    metrics = {f"avg@{k}": sum(correct) / (p * k)}
+    for j in pass_ks(k):
+        metrics[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / p
+    metrics["acc=0"] = sum(c == 0 for c in correct) / p
+    metrics["0<acc<1"] = sum(0 < c < k for c in correct) / p
+    metrics["acc=1"] = sum(c == k for c in correct) / p
+    return metrics
+
+
+def trace_budget(tokenizer: PreTrainedTokenizerBase, task: Task, records: Sequence[Record]) -> int:
+    """A response budget sized from the task's reference traces: 1.5 x the longest trace of
+    ``records`` in tokens, rounded up to a multiple of 32. Raises NotImplementedError for a
+    task without traces."""
+    longest = max(len(tokenizer.encode(task.trace(r), add_special_tokens=False)) for r in records)
+    return max(32, 32 * math.ceil(1.5 * longest / 32))
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    split: Split = "test",
+    k: int = 8,
+    params: SamplingParams | None = None,
+    limit: int | None = None,
+    generator: torch.Generator | None = None,
+    max_batch: int = 256,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Sample k responses for each of the first ``limit`` records of ``split`` and score them.
+
+    ``params`` defaults to ``SamplingParams(stop=task.stop)``; the task's tools are used.
+    Returns the ``accuracy_metrics`` plus ``mean_reward``, ``mean_response_tokens``
+    (tool output included), ``mean_policy_tokens``, ``mean_tool_calls``,
+    ``truncated`` (fraction), counts, and ``per_prompt`` (record id -> correct count).
+    """
+    from rich.progress import Progress
+
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    params = params or SamplingParams(stop=task.stop)
+    records = task.records(split)[:limit]
+    if not records:
+        raise ValueError(f"task {task.name!r} has no {split} records")
+    engine = HFEngine(model, tokenizer, max_batch=max_batch)
+    per_chunk = max(1, max_batch // k)
+    correct: list[int] = []
+    rewards: list[float] = []
+    totals = {"response": 0.0, "policy": 0.0, "tools": 0.0, "truncated": 0.0}
+    with Progress(disable=not progress) as bar:
+        job = bar.add_task(f"eval {task.name}/{split}", total=len(records))
+        for start in range(0, len(records), per_chunk):
+            chunk = records[start : start + per_chunk]
+            batch = engine.rollout(
+                [r.prompt for r in chunk], k, params, task.tools, task.instruction, generator
+            )
+            for i, record in enumerate(chunk):
+                texts = batch.texts[i * k : (i + 1) * k]
+                correct.append(sum(task.correct(t, record) for t in texts))
+                rewards += [task.reward(t, record) for t in texts]
+            totals["response"] += batch.attention_mask.sum().item()
+            totals["policy"] += batch.loss_mask.sum().item()
+            totals["tools"] += batch.tool_calls.sum().item()
+            totals["truncated"] += batch.truncated.sum().item()
+            bar.update(job, advance=len(chunk))
+    samples = len(records) * k
+    return {
+        "task": task.name,
+        "split": split,
+        "k": k,
+        "prompts": len(records),
+        "samples": samples,
+        **accuracy_metrics(correct, k),
+        "mean_reward": sum(rewards) / samples,
+        "mean_response_tokens": totals["response"] / samples,
+        "mean_policy_tokens": totals["policy"] / samples,
+        "mean_tool_calls": totals["tools"] / samples,
+        "truncated": totals["truncated"] / samples,
+        "params": {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_new_tokens": params.max_new_tokens,
+            "max_turns": params.max_turns,
+            "stop": list(params.stop),
+        },
+        "per_prompt": {r.id: c for r, c in zip(records, correct, strict=True)},
+    }

@@ -1,0 +1,169 @@
+"""One generation turn for a batch of contexts: KV-cached sampling with per-row stops.
+
+The log-prob returned for each sampled token is its log-probability under the
+distribution it was actually drawn from: ``log_softmax(logits / temperature)``,
+restricted to the top-p nucleus and renormalised over it. At temperature 1 and top-p 1
+that is the model's own log-prob, the value ``token_logprobs`` recomputes; at
+temperature 0 (greedy) the distribution is a point mass and the log-prob is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.models.scoring import left_pad, position_ids
+
+EOS = "<eos>"
+
+
+@dataclass
+class Turn:
+    """What one row generated in one turn.
+
+    stop: the stop string that ended the turn, ``EOS`` for an eos token, or ``None``
+    when the row's token budget ran out first.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop: str | None
+
+
+@dataclass(frozen=True)
+class StopSet:
+    """The ways a turn ends.
+
+    token_stops: token id -> stop string, for stop strings that are a single token and
+        for eos ids (mapped to ``EOS``). A stop string that is one token stops only on
+        that token; the same characters spelled out as several tokens do not stop.
+    string_stops: stop strings that take several tokens, matched on decoded text.
+    """
+
+    token_stops: dict[int, str]
+    string_stops: tuple[str, ...]
+
+    @staticmethod
+    def build(
+        tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], eos_ids: Sequence[int]
+    ) -> StopSet:
+        token_stops = {int(i): EOS for i in eos_ids}
+        string_stops = []
+        for s in dict.fromkeys(stop):
+            if not s:
+                raise ValueError("empty stop string")
+            ids = tokenizer.encode(s, add_special_tokens=False)
+            if len(ids) == 1:
+                token_stops[ids[0]] = s
+            else:
+                string_stops.append(s)
+        return StopSet(token_stops, tuple(string_stops))
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's eos id plus any eos ids in the model's generation config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra is not None:
+        ids.update(int(i) for i in extra)
+    return sorted(ids)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits[B, V]``.
+
+    Returns ``(tokens[B], logprobs[B])`` with log-probs under the processed
+    distribution (temperature, then top-p renormalisation; 0 for greedy).
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
+        drop_sorted = mass_before >= top_p  # the top token always has mass_before 0 and stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_turn(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    contexts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    temperature: float,
+    top_p: float,
+    stops: StopSet,
+    generator: torch.Generator | None = None,
+) -> list[Turn]:
+    """Continue each context until it hits a stop or its own token budget.
+
+    contexts: B non-empty token lists (left-padded together; the cache holds them).
+    budgets: B positive ints, the most tokens row i may generate in this turn.
+    Rows that finish are dropped from the batch (and from the KV cache), so the others
+    do not pay for them. Returns one ``Turn`` per row, in order.
+    """
+    if len(contexts) != len(budgets):
+        raise ValueError(f"{len(contexts)} contexts but {len(budgets)} budgets")
+    if any(len(c) == 0 for c in contexts):
+        raise ValueError("every context needs at least one token")
+    if any(b < 1 for b in budgets):
+        raise ValueError("every budget must be >= 1")
+    device = model.device
+    pad_id = tokenizer.pad_token_id
+    ids, mask = left_pad(contexts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    pos = position_ids(mask)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
+    cache = out.past_key_values
+    pos = pos[:, -1]
+    turns = [Turn([], [], None) for _ in contexts]
+    live = list(range(len(contexts)))  # original row of each batch position
+    window = max((len(s) for s in stops.string_stops), default=0) + 2
+    while True:
+        tokens, logp = sample_next(out.logits[:, -1, :], temperature, top_p, generator)
+        done = []
+        for row, tok, lp in zip(live, tokens.tolist(), logp.tolist(), strict=True):
+            turn = turns[row]
+            turn.tokens.append(tok)
+            turn.logprobs.append(lp)
+            turn.stop = stops.token_stops.get(tok)
+            if turn.stop is None and stops.string_stops:
+                tail = tokenizer.decode(turn.tokens[-window:])
+                turn.stop = next((s for s in stops.string_stops if s in tail), None)
+            done.append(turn.stop is not None or len(turn.tokens) >= budgets[row])
+        keep = [j for j, d in enumerate(done) if not d]
+        if not keep:
+            return turns
+        if len(keep) < len(live):
+            index = torch.as_tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, pos, tokens = mask[index], pos[index], tokens[index]
+            live = [live[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
+        pos = pos + 1
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )

@@ -1,0 +1,208 @@
+"""Stages 1-3 of a step: rollout, rewards, filter.
+
+Shapes: P prompts per round, n responses per prompt, G groups kept, B = G * n responses,
+T response tokens.
+
+``collect`` draws prompts from the stream, samples ``n`` responses each, scores them and
+applies the group filter. Without a filter that is one round. With dynamic sampling
+(DAPO) groups whose rewards are all equal carry no gradient, so they are dropped and
+further rounds are sampled until ``prompts_per_step`` groups are kept or
+``filter.max_rounds`` rounds have run; surplus kept groups of the last round are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from anchor_rl.rewards.overlong import soft_punishment
+from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.tasks.base import Record, Task
+from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.data import PromptSampler
+from anchor_rl.trainer.timing import Timer
+
+
+@dataclass
+class Scored:
+    """Scored responses. ``batch.group[i]`` indexes ``records`` (group ids 0..G-1).
+
+    rewards: FloatTensor[B], the training reward (task reward plus shaping).
+    task_rewards: FloatTensor[B], the task's reward alone.
+    correct: BoolTensor[B], the task's verdict.
+    off_policy: BoolTensor[B], responses another policy wrote (PVPO teacher trajectories):
+        their old log-probs are ``batch.logprobs``, not recomputed. None: all False.
+    """
+
+    batch: RolloutBatch
+    records: list[Record]
+    rewards: Tensor
+    task_rewards: Tensor
+    correct: Tensor
+    off_policy: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.off_policy is None:
+            self.off_policy = torch.zeros(len(self.batch), dtype=torch.bool)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def select_groups(self, keep: Tensor) -> Scored:
+        """The groups with ``keep[g]`` true (BoolTensor[G]), renumbered 0..G'-1 in order."""
+        new_id = torch.cumsum(keep.long(), 0) - 1
+        rows = keep[self.batch.group]
+        batch = self.batch.select(rows)
+        batch.group = new_id[batch.group]
+        return Scored(
+            batch=batch,
+            records=[r for r, k in zip(self.records, keep.tolist(), strict=True) if k],
+            rewards=self.rewards[rows],
+            task_rewards=self.task_rewards[rows],
+            correct=self.correct[rows],
+            off_policy=self.off_policy[rows],
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Scored]) -> Scored:
+        """Concatenate, offsetting each part's group ids past the previous parts' groups."""
+        batches, offset = [], 0
+        for part in parts:
+            batch = part.batch.select(range(len(part.batch)))
+            batch.group = batch.group + offset
+            batches.append(batch)
+            offset += len(part.records)
+        return Scored(
+            batch=RolloutBatch.cat(batches),
+            records=[r for p in parts for r in p.records],
+            rewards=torch.cat([p.rewards for p in parts]),
+            task_rewards=torch.cat([p.task_rewards for p in parts]),
+            correct=torch.cat([p.correct for p in parts]),
+            off_policy=torch.cat([p.off_policy for p in parts]),
+        )
+
+
+def sampling_params(cfg: TrainConfig, task: Task) -> SamplingParams:
+    """Training-rollout sampling parameters."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        stop=list(task.stop),
+    )
+
+
+def generate(
+    engine: HFEngine,
+    task: Task,
+    records: Sequence[Record],
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> RolloutBatch:
+    """``rollout.n`` responses for each record; group i belongs to ``records[i]``."""
+    return engine.rollout(
+        [r.prompt for r in records],
+        cfg.rollout.n,
+        sampling_params(cfg, task),
+        tools=task.tools or None,
+        instruction=task.instruction,
+        generator=generator,
+    )
+
+
+def score(task: Task, batch: RolloutBatch, records: Sequence[Record], cfg: TrainConfig) -> Scored:
+    """Task rewards and verdicts, plus the soft overlong punishment when configured.
+
+    The punishment reads the whole response length (tool output included), the quantity
+    ``rollout.max_new_tokens`` bounds.
+    """
+    rows = [records[g] for g in batch.group.tolist()]
+    task_rewards = torch.tensor(
+        [task.reward(text, rec) for text, rec in zip(batch.texts, rows, strict=True)],
+        dtype=torch.float32,
+    )
+    correct = torch.tensor(
+        [task.correct(text, rec) for text, rec in zip(batch.texts, rows, strict=True)],
+        dtype=torch.bool,
+    )
+    rewards = task_rewards
+    if cache := cfg.overlong_cache_tokens:
+        lengths = batch.attention_mask.sum(-1).long().tolist()
+        penalty = [soft_punishment(n, cfg.rollout.max_new_tokens, cache) for n in lengths]
+        rewards = task_rewards + torch.tensor(penalty, dtype=torch.float32)
+    return Scored(batch, list(records), rewards, task_rewards, correct)
+
+
+def informative_groups(scored: Scored) -> Tensor:
+    """BoolTensor[G]: groups whose rewards are not all equal (dynamic sampling's filter)."""
+    g = len(scored.records)
+    group = scored.batch.group
+    high = torch.full((g,), -torch.inf).scatter_reduce(0, group, scored.rewards, "amax")
+    low = torch.full((g,), torch.inf).scatter_reduce(0, group, scored.rewards, "amin")
+    return high > low
+
+
+def collect(
+    engine: HFEngine,
+    sampler: PromptSampler,
+    task: Task,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    timer: Timer,
+) -> tuple[Scored, dict[str, float]]:
+    """Rollout -> rewards -> filter, in rounds when the filter drops groups.
+
+    Returns the kept groups (possibly fewer than ``rollout.prompts_per_step``, even none,
+    when dynamic sampling hits ``filter.max_rounds``) and metrics over every response
+    generated this step: reward, accuracy, length, truncation, tool calls, rounds and
+    kept groups.
+    """
+    want = cfg.rollout.prompts_per_step
+    dynamic = cfg.filter.kind == "dynamic"
+    rounds = 1
+    generated: list[Scored] = []
+    kept: list[Scored] = []
+    while True:
+        records = sampler.take(want)
+        with timer("generate"):
+            batch = generate(engine, task, records, cfg, generator)
+        with timer("score"):
+            scored = score(task, batch, records, cfg)
+        generated.append(scored)
+        kept.append(scored.select_groups(informative_groups(scored)) if dynamic else scored)
+        have = sum(len(k.records) for k in kept)
+        if have >= want or rounds >= cfg.filter.max_rounds:
+            break
+        rounds += 1
+    out = Scored.cat(kept)
+    if len(out.records) > want:
+        out = out.select_groups(torch.arange(len(out.records)) < want)
+    everything = Scored.cat(generated)
+    return out, collect_metrics(everything, out, rounds)
+
+
+def collect_metrics(generated: Scored, kept: Scored, rounds: int) -> dict[str, float]:
+    """Response statistics over ``generated``, the filter's over ``kept`` (V0.5 pools top-ups in)."""
+    batch = generated.batch
+    lengths = batch.lengths.float()
+    return {
+        "reward/mean": generated.task_rewards.mean().item(),
+        "reward/std": generated.task_rewards.std().item() if len(generated) > 1 else 0.0,
+        "reward/shaped_mean": generated.rewards.mean().item(),
+        "accuracy": generated.correct.float().mean().item(),
+        "response/length": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": batch.truncated.float().mean().item(),
+        "response/tool_calls": batch.tool_calls.float().mean().item(),
+        "filter/rounds": float(rounds),
+        "filter/kept_groups": float(len(kept.records)),
+        "filter/kept_frac": len(kept.records) / len(generated.records),
+        "rollouts/step": float(len(batch)),
+        "tokens/step": float(batch.lengths.sum().item()),
+    }

@@ -1,0 +1,92 @@
+"""``anchor-rl train``: train a policy from a preset with ``key=value`` overrides, or resume.
+
+torch and transformers are imported inside the command, so ``anchor-rl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from anchor_rl.trainer.config import ConfigError, describe, load_config, parse_override
+
+
+def train(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Config overrides, key=value with dotted keys (rollout.n=16 kl.coef=0)."
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            "--preset", "-p", help="A built-in preset name or a path to a preset TOML file."
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume", help="Continue the run in this directory from its last checkpoint."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Run directory (default: runs/<preset>-<time>)."),
+    ] = None,
+    show_config: Annotated[
+        bool, typer.Option("--show-config", help="Print the resolved config and exit.")
+    ] = False,
+    list_fields: Annotated[
+        bool,
+        typer.Option(
+            "--list-fields",
+            help="Print every config field, default and meaning as a markdown table and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Train with RL from verifiable rewards.
+
+    Presets: grpo, drgrpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, vapo, pvpo,
+    v05. Settings apply as defaults < preset < overrides; invalid keys or values fail before
+    any work.
+    """
+    if list_fields:
+        typer.echo("| key | default | meaning |\n| --- | --- | --- |")
+        for key, default, doc in describe():
+            typer.echo(f"| `{key}` | `{default}` | {doc} |")
+        return
+    overrides = overrides or []
+    try:
+        if resume is not None:
+            if preset is not None or out is not None:
+                raise ConfigError(
+                    "--resume takes the run's own preset and directory; drop --preset/--out"
+                )
+            resume_overrides = dict(parse_override(o) for o in overrides)
+            if show_config:
+                typer.echo((resume / "config.json").read_text())
+                return
+            from anchor_rl.trainer.loop import train as run_loop
+            from anchor_rl.trainer.run import resume_run
+
+            run = run_loop(resume_run(resume, resume_overrides))
+        else:
+            cfg = load_config(preset, overrides)
+            if show_config:
+                typer.echo(cfg.model_dump_json(indent=2))
+                return
+            from anchor_rl.trainer.loop import train as run_loop
+            from anchor_rl.trainer.run import start_run
+
+            run_dir = (
+                out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+            )
+            run = run_loop(start_run(cfg, run_dir))
+    except (ConfigError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"run finished: {run.run_dir} (metrics.jsonl, tb/, checkpoints/, summary.json)")

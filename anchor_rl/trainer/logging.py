@@ -1,0 +1,188 @@
+"""Metric sinks (JSONL, TensorBoard, W&B, MLflow) and the progress bar.
+
+Every sink takes flat ``{name: float}`` dicts keyed by step. ``metrics.jsonl`` holds one
+JSON object per line with ``step`` and the metrics; it is the source of truth the bench
+reads. W&B and MLflow are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from anchor_rl.trainer.config import LogConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends ``{"step": s, **metrics}`` lines to RUN_DIR/metrics.jsonl.
+
+    On resume from step ``s`` the lines of steps after ``s`` (written after the checkpoint
+    by the stopped run) are dropped first, so the file never holds a step twice.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None:
+            self.path.write_text("")
+        self._file = self.path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars in RUN_DIR/tb; on resume, events after the resumed step are purged."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    def __init__(
+        self, project: str, run_dir: Path, config: Mapping[str, Any], resume: bool
+    ) -> None:
+        wandb = _require("wandb", "log.wandb")
+        self._run = wandb.init(
+            project=project, dir=str(run_dir), name=Path(run_dir).name, config=dict(config),
+            resume="allow" if resume else None,
+        )  # fmt: skip
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowSink:
+    def __init__(self, experiment: str, run_dir: Path, config: Mapping[str, Any]) -> None:
+        self._mlflow = _require("mlflow", "log.mlflow")
+        self._mlflow.set_experiment(experiment)
+        self._mlflow.start_run(run_name=Path(run_dir).name)
+        self._mlflow.log_params(_flatten(config))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        # MLflow metric names may not contain some characters; '/' is allowed.
+        self._mlflow.log_metrics(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def open_sinks(
+    cfg: LogConfig, run_dir: Path, config: Mapping[str, Any], resume_step: int | None = None
+) -> list[Sink]:
+    """The sinks ``cfg`` asks for; ImportError naming the extra if one is not installed."""
+    sinks: list[Sink] = [JsonlSink(run_dir, resume_step)]
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, resume_step))
+    if cfg.wandb:
+        sinks.append(WandbSink(cfg.wandb_project, run_dir, config, resume_step is not None))
+    if cfg.mlflow:
+        sinks.append(MlflowSink(cfg.mlflow_experiment, run_dir, config))
+    return sinks
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """The records of a metrics.jsonl file (a run directory or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ProgressBar:
+    """A rich progress bar over steps showing the latest key figures."""
+
+    FIGURES = {
+        "reward/mean": "reward",
+        "accuracy": "acc",
+        "eval/accuracy": "eval",
+        "response/length": "len",
+        "kl/ref": "kl",
+        "time/step": "s/step",
+    }
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[figures]}"),
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("train", total=total, completed=start, figures="")
+        self._latest: dict[str, float] = {}
+
+    def __enter__(self) -> ProgressBar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._latest.update({k: v for k, v in metrics.items() if k in self.FIGURES})
+        figures = " ".join(
+            f"{self.FIGURES[k]} {_short(self._latest[k])}"
+            for k in self.FIGURES
+            if k in self._latest
+        )
+        self._progress.update(self._task, completed=step, figures=figures)
+
+
+def _short(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _require(module: str, field: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{field}=true needs the {module!r} package: pip install 'anchor-rl[{module}]'"
+        ) from e
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

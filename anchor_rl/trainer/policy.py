@@ -1,0 +1,78 @@
+"""Model specs: what the ``model`` and ``ref_model`` fields of the config name.
+
+* a Hugging Face causal-LM directory (any path),
+* ``sft:SIZE``: the SFT warm start of that size on the run's task (trained once, cached;
+  see ``anchor_rl.models.sft.train_sft``; seed 0, so every seed of a sweep starts from
+  the same reference),
+* ``random:SIZE``: a random init of that size with the built-in tokenizer, seeded by the
+  run's seed (for tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.models.factory import SIZES, build_model
+from anchor_rl.models.loading import load_policy
+from anchor_rl.models.tokenizer import build_tokenizer
+
+
+def load_spec(
+    spec: str,
+    task: str,
+    task_args: dict[str, Any],
+    seed: int,
+    device: str,
+    progress: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the model a spec names; ValueError naming the spec if it is not one."""
+    with quiet_transformers():
+        return _load(spec, task, task_args, seed, device, progress)
+
+
+def _load(
+    spec: str, task: str, task_args: dict[str, Any], seed: int, device: str, progress: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    kind, _, size = spec.partition(":")
+    if kind in {"sft", "random"} and size:
+        if size not in SIZES:
+            raise ValueError(f"model {spec!r}: unknown size {size!r}; sizes: {', '.join(SIZES)}")
+        if kind == "random":
+            tokenizer = build_tokenizer()
+            return build_model(size, tokenizer, seed=seed).to(device), tokenizer
+        from anchor_rl.models.sft import train_sft
+
+        path = train_sft(task, size, task_kwargs=task_args or None, progress=progress)
+        return load_policy(path, device=device)
+    if not (Path(spec) / "config.json").is_file():
+        raise ValueError(
+            f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
+            "like sft:tiny or random:tiny"
+        )
+    return load_policy(spec, device=device)
+
+
+def frozen(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` in eval mode with gradients off (a reference policy)."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hide transformers' loading/saving bars (they would tear through the run's progress bar)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

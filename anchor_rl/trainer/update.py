@@ -1,0 +1,207 @@
+"""Stages 4 and 6 of a step: log-probs under the old and reference policies, and the update.
+
+Shapes: B responses, T response tokens.
+
+The update runs ``optim.epochs`` passes over the batch, each split into
+``optim.mini_batches`` mini-batches (one optimizer step each), each processed in
+micro-batches of ``optim.micro_batch_size`` responses with gradient accumulation. Each
+micro-batch's loss is weighted by its share of the mini-batch (tokens for token means,
+non-empty responses for sequence means), so the accumulated gradient equals the gradient
+of the whole mini-batch's loss whatever the micro-batch size.
+
+The loss is a sum of named terms (:func:`loss_terms`): the clipped policy loss, the KL
+to the reference when it is in the loss, an NLL term on correct responses. A critic adds
+its value loss there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from anchor_rl.algos.losses import agg, kl, nll, policy_loss
+from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.rollout.types import RolloutBatch
+from anchor_rl.trainer.config import TrainConfig
+
+
+@torch.no_grad()
+def score_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, cfg: TrainConfig, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """``(logp[B, T], entropy[B, T] | None)`` of the batch under ``model``, no gradient, on
+    the CPU with the rest of the batch.
+
+    Logits are divided by the rollout temperature, as in the update's forward pass, so the
+    first mini-batch's ratio is exactly 1 for the recomputed old log-probs.
+    """
+    logp, entropy = token_logprobs(
+        model,
+        batch,
+        with_entropy=with_entropy,
+        micro_batch=cfg.optim.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+    )
+    return logp.cpu(), None if entropy is None else entropy.cpu()
+
+
+def behaviour_logprobs(old_logp: Tensor, batch: RolloutBatch, off_policy: Tensor) -> Tensor:
+    """``old_logp[B, T]`` with the rows ``off_policy`` (BoolTensor[B]) taken from ``batch.logprobs``.
+
+    Responses another policy wrote (PVPO's teacher trajectories, whose ``logprobs`` are
+    log pi_gt) keep that policy's log-probs, so their importance ratio is pi_theta / pi_gt
+    instead of one recomputed under the current policy.
+    """
+    return torch.where(off_policy.unsqueeze(-1), batch.logprobs, old_logp)
+
+
+def token_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of ``values[B, T]`` over the tokens where ``mask`` is 1 (0 for an empty mask)."""
+    return ((values * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def loss_mask(batch: RolloutBatch, cfg: TrainConfig) -> Tensor:
+    """FloatTensor[B, T]: the policy's tokens, minus truncated responses when ``loss.mask_truncated``."""
+    mask = batch.loss_mask
+    if cfg.loss.mask_truncated:
+        mask = mask * (~batch.truncated).to(mask.dtype).unsqueeze(-1)
+    return mask
+
+
+def loss_weights(mask: Tensor, correct: Tensor, cfg: TrainConfig) -> dict[str, tuple[Tensor, str]]:
+    """Per loss term, the mask and aggregation mode that define its denominator.
+
+    A micro-batch's term is weighted by its count over the mini-batch's count (tokens
+    for ``token-mean``, non-empty responses for the sequence means), which makes the
+    accumulated loss equal to the mini-batch's. Every term of :func:`loss_terms` has an
+    entry here.
+    """
+    weights = {"policy": (mask, cfg.loss.agg)}
+    if cfg.kl.coef > 0 and not cfg.kl.in_reward:
+        weights["kl"] = (mask, cfg.loss.agg)
+    if cfg.loss.nll_coef > 0:
+        weights["nll"] = (mask * correct.to(mask.dtype).unsqueeze(-1), "token-mean")
+    return weights
+
+
+def loss_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    mask: Tensor,
+    correct: Tensor,
+    cfg: TrainConfig,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The loss terms of one (micro-)batch, each multiplied by its coefficient, and the
+    policy-loss metrics. Tensors are ``[b, T]`` except ``correct`` (BoolTensor[b]).
+
+    Terms: ``policy`` (clipped surrogate), ``kl`` (coef * KL to the reference, when the KL
+    is in the loss), ``nll`` (VAPO's NLL on correct responses, when ``loss.nll_coef > 0``).
+    """
+    lc = cfg.loss
+    norm = float(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant: the generation budget
+    pg, metrics = policy_loss(
+        logp, old_logp, adv, mask, lc.clip_low, lc.clip_high, lc.clip_c, lc.agg, norm_const=norm
+    )
+    terms = {"policy": pg}
+    if cfg.kl.coef > 0 and not cfg.kl.in_reward:
+        if ref_logp is None:
+            raise ValueError("a KL loss needs reference log-probs")
+        terms["kl"] = cfg.kl.coef * agg(kl(logp, ref_logp, cfg.kl.kind), mask, lc.agg, norm)
+    if lc.nll_coef > 0:
+        terms["nll"] = lc.nll_coef * nll(logp, mask, correct)
+    return terms, metrics
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: RolloutBatch,
+    mask: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    correct: Tensor,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Epochs of clipped policy-gradient steps on one batch; returns averaged metrics.
+
+    Args:
+        batch: B responses; mask, old_logp, ref_logp, adv: ``[B, T]``; correct: BoolTensor[B].
+        generator: shuffles the responses into mini-batches when there are several.
+    """
+    oc = cfg.optim
+    model.train()
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    for _ in range(oc.epochs):
+        if oc.mini_batches > 1:
+            order = torch.randperm(len(batch), generator=generator, device=generator.device).cpu()
+        else:
+            order = torch.arange(len(batch))
+        for rows in torch.tensor_split(order, oc.mini_batches):
+            if len(rows) == 0:
+                continue
+            stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            for key, value in stats.items():
+                sums[key] += value
+            sums["grad_norm"] += grad_norm.item()
+            steps += 1
+    metrics = {key: value / steps for key, value in sums.items()}
+    metrics["lr"] = scheduler.get_last_lr()[0]
+    return metrics
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    rows: Tensor,
+    mask: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    correct: Tensor,
+    cfg: TrainConfig,
+) -> dict[str, float]:
+    """Backpropagate the mini-batch ``rows`` in micro-batches; returns its metrics."""
+    device = next(model.parameters()).device
+    totals = {
+        name: _count(w, mode)
+        for name, (w, mode) in loss_weights(mask[rows], correct[rows], cfg).items()
+    }
+    tokens = mask[rows].sum().clamp(min=1)
+    stats: dict[str, float] = defaultdict(float)
+    for part in torch.split(rows, cfg.optim.micro_batch_size or len(rows)):
+        m, c = mask[part].to(device), correct[part].to(device)
+        ref = None if ref_logp is None else ref_logp[part].to(device)
+        logp, _ = token_logprobs(model, batch.select(part), temperature=cfg.rollout.temperature)
+        terms, pg_metrics = loss_terms(
+            logp, old_logp[part].to(device), ref, adv[part].to(device), m, c, cfg
+        )
+        total = torch.zeros((), device=device)
+        for name, (w, mode) in loss_weights(m, c, cfg).items():
+            weighted = terms[name] * (_count(w, mode) / max(totals[name], 1.0))
+            total = total + weighted
+            stats[f"loss/{name}"] += weighted.item()
+        total.backward()
+        stats["loss/total"] += total.item()
+        share = (m.sum() / tokens).item()
+        for key, value in pg_metrics.items():
+            stats[f"policy/{key}"] += share * value.item()
+    return stats
+
+
+def _count(weight: Tensor, mode: str) -> float:
+    """Tokens (``token-mean``) or non-empty responses (sequence means) under ``weight[b, T]``."""
+    if mode == "token-mean":
+        return weight.sum().item()
+    return (weight.sum(-1) > 0).sum().item()

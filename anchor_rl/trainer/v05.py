@@ -1,0 +1,401 @@
+"""V0.5 in the trainer (arXiv 2603.10848): a prior per prompt, top-up rollouts where the
+rollouts reject it, and the fused baseline. The knobs are in :mod:`.v05_config`.
+
+Shapes: G prompts (groups) kept this step, B responses, k[G] responses per prompt (ragged
+after top-ups).
+
+    run start   build_v05    the prior; the `anchor` base reads PVPO's presampled anchors
+                             (anchor_rl.trainer.pvpo, pvpo.m rollouts of the reference per
+                             training prompt in the anchor store)
+    each step   v05_stage    between the filter and the log-probs:
+                 1 the prior predicts each prompt's expected reward V[G] (knn: from the
+                   policy's mean-pooled hidden states of the prompt)
+                 2 with rollout.budget = "adaptive": up to v05.top_up_rounds rounds, each
+                   sampling in one engine call the extra rollouts algos.v05.extra_rollouts
+                   asks for given every rollout so far (only prompts whose prior is
+                   rejected get any; at most v05.k_max per prompt)
+                 3 fusion of all the prompt's rollouts with V (algos.v05.fuse): b[G]
+                 4 the prior learns the step's rewards, top-ups included
+                advantage    r - b[prompt] for every response of the prompt (no std)
+
+Rewards must lie in ``v05.reward_range``, the priors' units. ``sigma^2`` is the paper's
+worst case ``((hi - lo)/2)^2`` or the Bernoulli variance at the prior ``(V - lo)(hi - V)``;
+the budget's cost per rollout defaults to the paper's 0.0039 for +-1 rewards times
+``((hi - lo)/2)^2``, which makes {0,1} rewards take exactly the +-1 decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.algos import v05 as v05_math
+from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
+from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.types import RolloutBatch
+from anchor_rl.tasks.base import Record, Task
+from anchor_rl.trainer.checkpoint import TrainState
+from anchor_rl.trainer.collect import Scored, collect_metrics, sampling_params, score
+from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.policy import frozen, load_spec
+from anchor_rl.trainer.pvpo import PVPO, setup_pvpo
+from anchor_rl.trainer.timing import Timer
+from anchor_rl.trainer.v05_config import V05Config
+
+if TYPE_CHECKING:
+    from anchor_rl.trainer.run import Run
+
+PAPER_COST = 0.0039
+"""The V0.5 paper's budget cost per rollout, for +-1 rewards."""
+NEAR_ONE = 0.9
+"""``v05/weight_near1_frac`` counts fusion weights at or above this."""
+STATE_FILE = "v05.pt"
+"""The prior's state in a checkpoint directory."""
+
+
+# --- fusion and budget on a step's rows ---------------------------------------------------
+
+
+def group_means(rewards: Tensor, group: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """``(mean[G] float64, k[G] int64)`` of ``rewards[B]`` per group id ``group[B]`` in ``0..G-1``."""
+    k = torch.bincount(group, minlength=groups)
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, group, rewards.double())
+    return total / k.clamp(min=1), k
+
+
+def sigma2_of(prior: Tensor, mode: str, reward_range: tuple[float, float]) -> Tensor:
+    """Per-rollout reward variance ``[G]``: ``((hi - lo)/2)^2`` (``worst``) or ``(V - lo)(hi - V)``
+    (``prior``)."""
+    lo, hi = reward_range
+    if mode == "worst":
+        return torch.full_like(prior, ((hi - lo) / 2) ** 2)
+    if mode == "prior":
+        return ((prior - lo) * (hi - prior)).clamp(min=0)
+    raise ValueError(f"unknown sigma2 mode {mode!r}; choose 'worst' or 'prior'")
+
+
+def budget_cost(vc: V05Config) -> float:
+    """The budget rule's cost per rollout, in the reward units in use."""
+    if vc.cost is not None:
+        return vc.cost
+    lo, hi = vc.reward_range
+    return PAPER_COST * ((hi - lo) / 2) ** 2
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """One fusion of each prompt's rollouts with its prior; every field is ``[G]``.
+
+    emp_mean: mean reward of the prompt's k rollouts (float64); k: rollouts (int64);
+    prior: V; sigma2: the per-rollout variance used; baseline: ``V + weight * (emp_mean - V)``;
+    weight: the weight on the empirical mean; rejected: ``(emp_mean - V)^2 > sigma2 / k``;
+    est_mse: the baseline's estimated MSE (``algos.v05.estimated_mse``).
+    """
+
+    emp_mean: Tensor
+    k: Tensor
+    prior: Tensor
+    sigma2: Tensor
+    baseline: Tensor
+    weight: Tensor
+    rejected: Tensor
+    est_mse: Tensor
+
+
+def fuse_groups(rewards: Tensor, group: Tensor, prior: Tensor, vc: V05Config) -> Fusion:
+    """Fuse the rewards of each group (``rewards[B]``, ``group[B]`` in ``0..G-1``) with ``prior[G]``."""
+    prior = prior.double()
+    emp, k = group_means(rewards, group, len(prior))
+    if bool((k == 0).any()):
+        raise ValueError(f"groups {(k == 0).nonzero().flatten().tolist()} have no rollout")
+    s2 = sigma2_of(prior, vc.sigma2, vc.reward_range)
+    baseline, weight, rejected = v05_math.fuse(emp, k, prior, s2)
+    est = v05_math.estimated_mse(emp, k, prior, s2)
+    return Fusion(emp, k, prior, s2, baseline, weight, rejected, est)
+
+
+def extra_counts(fusion: Fusion, vc: V05Config) -> Tensor:
+    """More rollouts each prompt asks for, ``[G]`` int64: 0 where the prior is accepted, at most
+    ``k_max - k``."""
+    return v05_math.extra_rollouts(
+        fusion.emp_mean, fusion.k, fusion.prior, fusion.sigma2, budget_cost(vc), vc.k_max
+    )
+
+
+def check_rewards(rewards: Tensor, vc: V05Config) -> None:
+    """ValueError naming ``v05.reward_range`` when a reward lies outside it."""
+    lo, hi = vc.reward_range
+    bad = (rewards < lo) | (rewards > hi) | rewards.isnan()
+    if bool(bad.any()):
+        raise ValueError(
+            f"rewards {sorted(set(rewards[bad].tolist()))[:5]} lie outside v05.reward_range "
+            f"[{lo}, {hi}]; set it to the training reward's range (reward shaping such as "
+            "reward.overlong_cache widens it)"
+        )
+
+
+# --- the prior ---------------------------------------------------------------------------
+
+
+def uses_anchors(vc: V05Config) -> bool:
+    """Whether the prior's base is PVPO's static anchor."""
+    return vc.prior.split("+")[0] == "anchor"
+
+
+def uses_embeddings(vc: V05Config) -> bool:
+    """Whether the prior reads prompt embeddings (the knn base)."""
+    return vc.prior.split("+")[0] == "knn"
+
+
+def build_prior(vc: V05Config, anchors: Mapping[str, float] | None = None) -> Prior:
+    """The prior ``v05.prior`` names; ``anchors`` (prompt id -> reference mean) for ``anchor``."""
+    base_name, _, layered = vc.prior.partition("+")
+    rr = vc.reward_range
+    base: Prior | None = None
+    if base_name == "anchor":
+        if anchors is None:
+            raise ValueError("the anchor prior needs the presampled anchors")
+        base = AnchorPrior(anchors, reward_range=rr)
+    elif base_name == "knn":
+        base = KNNPrior(
+            window=vc.knn_window,
+            top_k=vc.knn_top_k,
+            temperature=vc.knn_temperature,
+            reward_range=rr,
+        )
+    if base is None or layered:
+        return HistoryPrior(base, vc.history_strength, vc.history_gamma, reward_range=rr)
+    return base
+
+
+@dataclass
+class V05State:
+    """What V0.5 carries across steps.
+
+    prior: the prior; it learns each step's rewards and is checkpointed (``STATE_FILE``).
+    anchors: prompt id -> the reference's mean reward (PVPO's ``V_sta``) of the training
+        prompts, when the prior's base is the anchor; None otherwise.
+    """
+
+    prior: Prior
+    anchors: dict[str, float] | None = None
+
+    def save(self, checkpoint_dir: Path) -> None:
+        """Write the prior (pickled whole: its evidence, context and clock) into a checkpoint."""
+        torch.save({"prior": self.prior}, Path(checkpoint_dir) / STATE_FILE)
+
+    def load(self, checkpoint_dir: Path) -> None:
+        """Restore the prior a checkpoint holds."""
+        path = Path(checkpoint_dir) / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} missing: the checkpoint holds no V0.5 prior state")
+        # the file is one the run itself wrote; priors are plain Python objects
+        self.prior = torch.load(path, weights_only=False)["prior"]
+
+
+def build_v05(
+    cfg: TrainConfig,
+    run_dir: Path,
+    task: Task,
+    records: Sequence[Record],
+    tokenizer: PreTrainedTokenizerBase,
+    reference: PreTrainedModel | None,
+    state: TrainState,
+    pvpo: PVPO | None,
+) -> V05State | None:
+    """A run's V0.5 state (None unless ``advantage.estimator = "v05"``).
+
+    The ``anchor`` base takes the anchors of ``pvpo`` when the run already has them (group
+    sampling), and otherwise presamples them the way PVPO does (``setup_pvpo``: ``pvpo.m``
+    rollouts of ``reference`` per record of ``records``, rows reused from ``pvpo.store``,
+    their cost in ``state.presample_rollouts``). ``reference`` None loads ``ref_model`` or
+    ``model`` again.
+    """
+    if cfg.advantage.estimator != "v05":
+        return None
+    anchors = None
+    if uses_anchors(cfg.v05):
+        if pvpo is None:
+            if reference is None:
+                reference = load_reference(cfg)
+            pvpo = setup_pvpo(cfg, run_dir, task, records, tokenizer, reference, state)
+        anchors = {pid: stat.mean for pid, stat in pvpo.anchors.items()}
+    return V05State(prior=build_prior(cfg.v05, anchors), anchors=anchors)
+
+
+def load_reference(cfg: TrainConfig) -> PreTrainedModel:
+    """The frozen initial policy: ``ref_model`` or ``model`` loaded again."""
+    model, _ = load_spec(
+        cfg.ref_model or cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
+    )
+    return frozen(model)
+
+
+def first_rows(group: Tensor, groups: int) -> list[int]:
+    """Index of the first row of each group ``0..G-1`` in ``group[B]``."""
+    first: dict[int, int] = {}
+    for row, g in enumerate(group.tolist()):
+        first.setdefault(g, row)
+    return [first[g] for g in range(groups)]
+
+
+def embed_groups(model: PreTrainedModel, batch: RolloutBatch, groups: int) -> Tensor:
+    """``[G, D]``: each group's prompt (the token ids it was sampled from) embedded by ``model``."""
+    rows = first_rows(batch.group, groups)
+    return prompt_embeddings(model, None, [batch.prompt_ids[r] for r in rows])
+
+
+# --- top-up rollouts ---------------------------------------------------------------------
+
+
+def merge_rows(a: Scored, b: Scored) -> Scored:
+    """The rows of ``a`` and ``b`` (group ids indexing the same records), sorted by group;
+    within a group ``a``'s rows come first, each part in its own order."""
+    batch = RolloutBatch.cat([a.batch, b.batch])
+    order = torch.argsort(batch.group, stable=True)
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(a, name), getattr(b, name)])[order]
+
+    return dataclasses.replace(
+        a,
+        batch=batch.select(order),
+        rewards=cat("rewards"),
+        task_rewards=cat("task_rewards"),
+        correct=cat("correct"),
+        off_policy=cat("off_policy"),
+    )
+
+
+def top_up(
+    engine: HFEngine,
+    task: Task,
+    cfg: TrainConfig,
+    scored: Scored,
+    prior: Tensor,
+    generator: torch.Generator,
+    timer: Timer,
+) -> tuple[Scored, list[Scored]]:
+    """Adaptive budget: up to ``v05.top_up_rounds`` rounds of extra rollouts.
+
+    Before each round the budget rule (:func:`extra_counts`) is evaluated on every rollout
+    so far; the round samples every prompt's extras in one engine call (each prompt
+    repeated once per extra rollout). It stops early when no prompt asks for more.
+
+    Returns the merged rows (ragged groups, sorted by group) and the rows each round added.
+    """
+    vc, added = cfg.v05, []
+    for _ in range(vc.top_up_rounds):
+        extra = extra_counts(fuse_groups(scored.rewards, scored.batch.group, prior, vc), vc)
+        if not bool(extra.any()):
+            break
+        rows = torch.arange(len(extra)).repeat_interleave(extra)
+        with timer("generate"):
+            batch = engine.rollout(
+                [scored.records[g].prompt for g in rows.tolist()],
+                1,
+                sampling_params(cfg, task),
+                tools=task.tools or None,
+                instruction=task.instruction,
+                generator=generator,
+            )
+        batch.group = rows
+        with timer("score"):
+            new = score(task, batch, scored.records, cfg)
+        added.append(new)
+        scored = merge_rows(scored, new)
+    return scored, added
+
+
+# --- metrics -----------------------------------------------------------------------------
+
+_MEAN_KEYS = (
+    "reward/mean",
+    "reward/shaped_mean",
+    "accuracy",
+    "response/length",
+    "response/truncated_frac",
+    "response/tool_calls",
+)
+
+
+def pool_response_metrics(
+    metrics: Mapping[str, float], parts: Sequence[Scored]
+) -> dict[str, float]:
+    """``metrics`` (collect's, over the responses it generated) extended to the top-up rows
+    ``parts``: pooled means, maximum and unbiased std, summed counts (exact)."""
+    out = dict(metrics)
+    for part in parts:
+        add = collect_metrics(part, part, 1)
+        n0, n1 = out["rollouts/step"], add["rollouts/step"]
+        n = n0 + n1
+        m0, m1 = out["reward/mean"], add["reward/mean"]
+        squares = (n0 - 1) * out["reward/std"] ** 2 + n0 * m0**2
+        squares += (n1 - 1) * add["reward/std"] ** 2 + n1 * m1**2
+        for key in _MEAN_KEYS:
+            out[key] = (n0 * out[key] + n1 * add[key]) / n
+        out["reward/std"] = math.sqrt(max(0.0, (squares - n * out["reward/mean"] ** 2) / (n - 1)))
+        out["response/length_max"] = max(out["response/length_max"], add["response/length_max"])
+        out["rollouts/step"] = n
+        out["tokens/step"] += add["tokens/step"]
+    return out
+
+
+def fusion_metrics(first: Fusion, last: Fusion, rounds: int) -> dict[str, float]:
+    """``v05/*``: ``first`` is the fusion at k_init, ``last`` the one the baseline comes from."""
+    return {
+        "v05/prior_mean": first.prior.mean().item(),
+        "v05/prior_gap": (first.emp_mean - first.prior).abs().mean().item(),
+        "v05/rejected_init_frac": first.rejected.double().mean().item(),
+        "v05/rejected_frac": last.rejected.double().mean().item(),
+        "v05/extra_rollouts": float((last.k - first.k).sum()),
+        "v05/topped_up_frac": (last.k > first.k).double().mean().item(),
+        "v05/top_up_rounds": float(rounds),
+        "v05/rollouts_per_prompt": last.k.double().mean().item(),
+        "v05/weight_mean": last.weight.mean().item(),
+        "v05/weight_zero_frac": (last.weight == 0).double().mean().item(),
+        "v05/weight_near1_frac": (last.weight >= NEAR_ONE).double().mean().item(),
+        "v05/baseline_mean": last.baseline.mean().item(),
+        "v05/estimated_mse": last.est_mse.mean().item(),
+    }
+
+
+# --- the stage ---------------------------------------------------------------------------
+
+
+def v05_stage(
+    run: Run, scored: Scored, metrics: Mapping[str, float], timer: Timer
+) -> tuple[Scored, Tensor | None, dict[str, float]]:
+    """Prior -> top-up rounds -> fusion -> prior update, on the kept groups.
+
+    Returns the rows (top-ups merged in, sorted by group), the fused baseline of each row's
+    prompt ``[B]`` for ``advantages.pvpo``-style ``r - b`` (None when the run is not V0.5 or
+    kept no group), and the step's metrics: ``metrics`` with the top-up responses pooled
+    into the response statistics and counts, plus ``v05/*``.
+    """
+    state, cfg = run.v05, run.cfg
+    if state is None or len(scored) == 0:
+        return scored, None, dict(metrics)
+    vc, g = cfg.v05, len(scored.records)
+    check_rewards(scored.rewards, vc)
+    ids = [r.id for r in scored.records]
+    emb = embed_groups(run.policy, scored.batch, g) if uses_embeddings(vc) else None
+    prior = state.prior.predict(ids, emb)
+    first = fuse_groups(scored.rewards, scored.batch.group, prior, vc)
+    added: list[Scored] = []
+    if cfg.rollout.budget == "adaptive":
+        scored, added = top_up(run.engine, run.task, cfg, scored, prior, run.generator, timer)
+        check_rewards(scored.rewards, vc)
+    last = fuse_groups(scored.rewards, scored.batch.group, prior, vc) if added else first
+    group = scored.batch.group
+    state.prior.update(ids, [scored.rewards[group == i] for i in range(g)], emb)
+    out = pool_response_metrics(metrics, added) | fusion_metrics(first, last, len(added))
+    return scored, last.baseline.float()[group], out

@@ -1,0 +1,97 @@
+"""The ``v05`` section of the training config (V0.5, arXiv 2603.10848).
+
+Kept apart from :mod:`anchor_rl.trainer.v05` (the stages) so the config, and with it
+``anchor-rl --help``, imports neither torch nor transformers.
+
+The section is read when ``advantage.estimator = "v05"``: the advantage is ``r - b`` with
+``b`` the prompt's prior fused with its rollouts; ``rollout.n`` is ``k_init``, the rollouts
+every prompt starts with, and ``rollout.budget = "adaptive"`` adds top-up rollouts where
+the rollouts reject the prior.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from anchor_rl.trainer.config import TrainConfig
+
+PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
+
+
+class V05Config(BaseModel):
+    """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model, the rollout
+    budget and the baseline-MSE probe; `rollout.n` is k_init."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    prior: PriorName = "anchor+history"
+    """The prior V: `anchor` (PVPO's static anchor: the reference's mean reward over `pvpo.m`
+    presampled rollouts, stored in `pvpo.store`), `history` (per-prompt Beta posterior over the
+    policy's own rollouts, base 1/2), `knn` (neighbours of the prompt in the policy's embedding
+    space over recent outcomes), `anchor+history` / `knn+history` (the history posterior layered
+    on that base)."""
+    sigma2: Literal["worst", "prior"] = "worst"
+    """Per-rollout reward variance of the fusion: `worst` ((hi - lo)/2)^2 (the paper's 1 for +-1
+    rewards), `prior` the Bernoulli variance at the prior (V - lo)(hi - V)."""
+    k_max: int = Field(16, gt=0)
+    """Most rollouts per prompt, top-ups included (paper: 16)."""
+    cost: float | None = Field(None, ge=0)
+    """Budget: add a rollout while it lowers the estimated baseline MSE by more than this. None:
+    the paper's 0.0039 for +-1 rewards scaled by ((hi - lo)/2)^2 (0.000975 for 0/1 rewards)."""
+    top_up_rounds: int = Field(2, ge=0)
+    """Adaptive budget: most top-up rounds per step, each one batched engine call; the rule is
+    evaluated on all rollouts so far before each round."""
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    """(lo, hi) of the training reward, the priors' units; a reward outside it is an error."""
+    history_strength: float = Field(4.0, gt=0)
+    """`history` prior: weight of the base prior's prediction, in rollouts."""
+    history_gamma: float = Field(0.95, gt=0, le=1)
+    """`history` prior: per-step forgetting of past evidence (1 keeps everything)."""
+    knn_window: int = Field(256, gt=0)
+    """`knn` prior: recent (prompt, mean reward) pairs in its context."""
+    knn_top_k: int = Field(16, gt=0)
+    """`knn` prior: neighbours per prediction."""
+    knn_temperature: float = Field(0.1, gt=0)
+    """`knn` prior: kernel temperature over cosine similarity."""
+    probe_every: int = Field(0, ge=0)
+    """Baseline-MSE probe before steps 1, 1 + E, 1 + 2E, ... (E = this; 0: off): the baselines each
+    method would give a fixed prompt set, against ground truth from the current policy. Its
+    rollouts are counted apart (probe/rollouts) and it never changes training."""
+    probe_prompts: int = Field(32, gt=0)
+    """Probe: training prompts in the fixed probe set."""
+    probe_truth: int = Field(64, gt=1)
+    """Probe: ground-truth rollouts per probe prompt (apart from the k_max the baselines use)."""
+    probe_heldout: int = Field(64, ge=0)
+    """Probe: held-out (test) prompts on which the knn prior's AUC and calibration are measured;
+    0 skips that part."""
+    probe_heldout_truth: int = Field(32, gt=1)
+    """Probe: ground-truth rollouts per held-out prompt."""
+
+
+def config_errors(cfg: TrainConfig) -> list[str]:
+    """What is inconsistent between the V0.5 knobs and the rest of the config (empty: nothing)."""
+    errors = []
+    vc, estimator = cfg.v05, cfg.advantage.estimator
+    if cfg.rollout.budget == "adaptive" and estimator != "v05":
+        errors.append(
+            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
+            f'advantage.estimator="v05" (got {estimator!r})'
+        )
+    if vc.probe_every and estimator != "v05":
+        errors.append(f'v05.probe_every needs advantage.estimator="v05" (got {estimator!r})')
+    if estimator != "v05":
+        return errors
+    if cfg.rollout.n > vc.k_max:
+        errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
+    lo, hi = vc.reward_range
+    if not lo < hi:
+        errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
+    if vc.prior.startswith("anchor") and cfg.pvpo.refresh_every:
+        errors.append(
+            "v05.prior uses the static anchor, which V0.5 does not refresh: set "
+            "pvpo.refresh_every=0 (the history layer follows the policy instead)"
+        )
+    return errors

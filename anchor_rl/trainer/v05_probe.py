@@ -1,0 +1,277 @@
+"""The baseline-MSE probe: inside a V0.5 run, how far each method's baseline is from the truth.
+
+Shapes: P probe prompts, K = v05.k_max pool rollouts, M = v05.probe_truth ground-truth
+rollouts, H held-out prompts.
+
+Before steps 1, 1 + E, 1 + 2E, ... (E = ``v05.probe_every``) the probe takes a fixed set of P
+training prompts (:func:`probe_records`) and samples, with the policy about to be trained
+(the one that samples that step's rollouts), K + M rollouts of each. The first K form the
+pool every method draws its rollouts from, the other M give the ground truth
+``mu = mean(truth)``. Each method's baseline (:data:`METHODS`) is compared with ``mu``;
+because the truth rollouts are independent of the pool, ``E[(b - mu_hat)^2] = MSE(b) +
+Var(mu_hat)``, so the reported ``mse`` subtracts the unbiased estimate of ``Var(mu_hat)``
+(``mse_raw`` keeps it). The prior is the run's, as that step would use it (before the
+step's update).
+
+It also scores priors against ground truth (``anchor_rl.anchors.priors.prior_metrics``):
+the run's prior on the probe prompts (M-rollout truth), and on H held-out test prompts
+(``v05.probe_heldout_truth`` rollouts each) a knn prior whose context is the probe
+prompts' (embedding, truth) pairs under the current policy (V0's "within-policy" setting),
+and the run's own prior when it is knn-based.
+
+The probe samples from its own generator, seeded by ``(seed, step)``, and never updates
+the prior, so a run trains identically with or without it; its rollouts are counted in
+``probe/rollouts``, never in the training counters. Each probe appends one JSON line to
+``RUN_DIR/probe.jsonl`` (``anchor_rl.bench.probe`` turns the file into tables and plots)
+and returns ``probe/*`` scalars for metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from anchor_rl.anchors.priors import KNNPrior, evaluate_prior, prior_metrics
+from anchor_rl.rollout.types import RolloutBatch
+from anchor_rl.tasks.base import Record
+from anchor_rl.trainer.collect import sampling_params, score
+from anchor_rl.trainer.v05 import (
+    embed_groups,
+    extra_counts,
+    fuse_groups,
+    uses_anchors,
+    uses_embeddings,
+)
+from anchor_rl.trainer.v05_config import V05Config
+
+if TYPE_CHECKING:
+    from anchor_rl.trainer.run import Run
+
+PROBE_FILE = "probe.jsonl"
+SEED_OFFSET = 500_000_003
+"""Keeps the probe's generator apart from held-out evaluation's (seeded ``seed * 1_000_003 + step``)."""
+
+
+def methods(k: int, k_max: int) -> tuple[str, ...]:
+    """The compared baselines, with ``k`` = k_init (``rollout.n``)."""
+    return (
+        f"group_mean_k{k}",  # GRPO
+        f"loo_k{k}",  # RLOO: each sample's mean of the others
+        f"group_mean_k{k_max}",  # GRPO / DAPO at k_max
+        "anchor",  # PVPO's static anchor (when the run's prior has one)
+        "prior",  # the V0.5 prior alone
+        f"v05_k{k}",  # V0.5 fusion of k rollouts, no extras
+        "v05_adaptive",  # V0.5 with the run's budget rule and top-up rounds
+    )
+
+
+def probe_due(vc: V05Config, step: int) -> bool:
+    """Whether the probe runs before training step ``step`` (1-based)."""
+    return vc.probe_every > 0 and (step - 1) % vc.probe_every == 0
+
+
+def probe_records(records: Sequence[Record], n: int) -> list[Record]:
+    """A fixed set of ``n`` records spread evenly over ``records`` (all when fewer)."""
+    if n >= len(records):
+        return list(records)
+    return [records[i * len(records) // n] for i in range(n)]
+
+
+def adaptive_counts(pool: Tensor, prior: Tensor, vc: V05Config, k_init: int) -> Tensor:
+    """Rollouts ``n[P]`` the run's adaptive budget would use, drawing them in order from
+    ``pool[P, K]``: ``k_init``, then up to ``v05.top_up_rounds`` rounds of
+    ``algos.v05.extra_rollouts`` on the rollouts so far (as ``trainer.v05.top_up`` does)."""
+    n = torch.full((len(pool),), k_init, dtype=torch.long)
+    cols = torch.arange(pool.shape[1])
+    for _ in range(vc.top_up_rounds):
+        taken = cols[None, :] < n[:, None]  # [P, K]
+        rows, group = pool[taken], taken.nonzero()[:, 0]
+        extra = extra_counts(fuse_groups(rows, group, prior, vc), vc)
+        if not bool(extra.any()):
+            break
+        n = n + extra
+    return n
+
+
+def baseline_errors(
+    pool: Tensor,
+    truth: Tensor,
+    prior: Tensor,
+    anchor: Tensor | None,
+    vc: V05Config,
+    k_init: int,
+) -> dict[str, dict[str, float]]:
+    """Each method's error against the ground truth, on probe rewards.
+
+    Args:
+        pool: ``[P, K]`` rollout rewards the methods draw from, in order (K = v05.k_max).
+        truth: ``[P, M]`` independent rollout rewards; ``mu_hat = truth.mean(1)``.
+        prior: ``[P]`` the run's prior; anchor: ``[P]`` the static anchor, or None.
+
+    Returns ``{method: {"mse", "mse_raw", "se", "rollouts"}}``: ``mse_raw`` the mean over
+    prompts of ``(b - mu_hat)^2`` (for ``loo`` averaged over the group's samples first),
+    ``mse`` the same minus the mean of ``Var(mu_hat) = var(truth) / M`` (unbiased), ``se``
+    the standard error of ``mse`` over prompts, ``rollouts`` the mean rollouts used.
+    """
+    pool, truth, prior = pool.double(), truth.double(), prior.double()
+    p, k_max = pool.shape
+    mu = truth.mean(1)
+    noise = truth.var(1) / truth.shape[1]
+    k = k_init
+    index = torch.arange(p).repeat_interleave(k)
+    v05_k = fuse_groups(pool[:, :k].reshape(-1), index, prior, vc).baseline
+    n = adaptive_counts(pool, prior, vc, k_init)
+    taken = torch.arange(k_max)[None, :] < n[:, None]
+    v05_ada = fuse_groups(pool[taken], taken.nonzero()[:, 0], prior, vc).baseline
+    loo = (pool[:, :k].sum(1, keepdim=True) - pool[:, :k]) / (k - 1) if k > 1 else None
+    sq: dict[str, tuple[Tensor, Tensor | float]] = {
+        f"group_mean_k{k}": ((pool[:, :k].mean(1) - mu).square(), float(k)),
+        f"group_mean_k{k_max}": ((pool.mean(1) - mu).square(), float(k_max)),
+        "prior": ((prior - mu).square(), 0.0),
+        f"v05_k{k}": ((v05_k - mu).square(), float(k)),
+        "v05_adaptive": ((v05_ada - mu).square(), n.double()),
+    }
+    if loo is not None:
+        sq[f"loo_k{k}"] = ((loo - mu[:, None]).square().mean(1), float(k))
+    if anchor is not None:
+        sq["anchor"] = ((anchor.double() - mu).square(), 0.0)
+    out = {}
+    for name in methods(k, k_max):
+        if name not in sq:
+            continue
+        err, used = sq[name]
+        corrected = err - noise
+        out[name] = {
+            "mse": corrected.mean().item(),
+            "mse_raw": err.mean().item(),
+            "se": (corrected.std() / p**0.5).item() if p > 1 else float("nan"),
+            "rollouts": float(torch.as_tensor(used, dtype=torch.float64).mean()),
+        }
+    return out
+
+
+def _sample(
+    run: Run, records: Sequence[Record], n: int, generator: torch.Generator
+) -> tuple[Tensor, RolloutBatch]:
+    """``(rewards[P, n], batch)``: n rollouts of each record with the training settings."""
+    task, cfg = run.task, run.cfg
+    batch = run.engine.rollout(
+        [r.prompt for r in records], n, sampling_params(cfg, task),
+        tools=task.tools or None, instruction=task.instruction, generator=generator,
+    )  # fmt: skip
+    order = torch.argsort(batch.group, stable=True)
+    batch = batch.select(order)
+    rewards = score(task, batch, records, cfg).rewards
+    return rewards.reshape(len(records), n), batch
+
+
+def _clean(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    """JSON-safe: NaN (an AUC with one class) becomes None."""
+    return {k: (None if v != v else v) for k, v in metrics.items()}
+
+
+def run_probe(run: Run, step: int) -> dict[str, float]:
+    """Probe before training step ``step`` when due (see the module docstring); ``{}`` otherwise.
+
+    Appends the record to ``RUN_DIR/probe.jsonl`` (dropping records of this step or later a
+    stopped run left behind) and returns ``probe/*`` scalars.
+    """
+    cfg, state = run.cfg, run.v05
+    if state is None or not probe_due(cfg.v05, step):
+        return {}
+    vc, k_init, started = cfg.v05, cfg.rollout.n, time.perf_counter()
+    generator = torch.Generator(device=cfg.device).manual_seed(
+        cfg.seed * 1_000_003 + step + SEED_OFFSET
+    )
+    records = probe_records(run.sampler.records, vc.probe_prompts)
+    ids = [r.id for r in records]
+    rewards, batch = _sample(run, records, vc.k_max + vc.probe_truth, generator)
+    pool, truth = rewards[:, : vc.k_max], rewards[:, vc.k_max :]
+    emb = embed_groups(run.policy, batch, len(records))
+    prior = state.prior.predict(ids, emb if uses_embeddings(vc) else None)
+    anchor = None
+    if uses_anchors(vc) and state.anchors is not None:
+        anchor = torch.tensor([state.anchors[i] for i in ids])
+    record: dict[str, Any] = {
+        "step": step,
+        "prompts": len(records),
+        "k_init": k_init,
+        "k_max": vc.k_max,
+        "truth_rollouts": vc.probe_truth,
+        "methods": baseline_errors(pool, truth, prior, anchor, vc, k_init),
+        "prior_probe": _clean(
+            prior_metrics(prior, truth.double().mean(1), list(truth), vc.reward_range)
+        ),
+    }
+    rollouts = rewards.numel()
+    if vc.probe_heldout:
+        held, held_rollouts = _heldout(run, emb, ids, truth, generator)
+        record |= held
+        rollouts += held_rollouts
+    record["rollouts"] = rollouts
+    record["seconds"] = time.perf_counter() - started
+    total = append_probe(run.run_dir, record)
+    out = {f"probe/mse/{name}": m["mse"] for name, m in record["methods"].items()}
+    out |= {
+        "probe/rollouts": float(rollouts),
+        "probe/rollouts_cumulative": float(total),
+        "probe/seconds": record["seconds"],
+    }
+    for key in ("prior_probe", "knn_heldout", "run_prior_heldout"):
+        if key in record and record[key]["auc"] is not None:
+            out[f"probe/{key}_auc"] = record[key]["auc"]
+    return out
+
+
+def _heldout(
+    run: Run,
+    probe_emb: Tensor,
+    probe_ids: list[str],
+    probe_truth: Tensor,
+    generator: torch.Generator,
+) -> tuple[dict[str, Any], int]:
+    """Prior metrics on held-out prompts: a knn over the probe set's truths, and the run's
+    prior when it generalises across prompts (knn-based). Returns them and the rollouts."""
+    vc = run.cfg.v05
+    records = run.task.records("test")[: vc.probe_heldout]
+    ids = [r.id for r in records]
+    rewards, batch = _sample(run, records, vc.probe_heldout_truth, generator)
+    emb = embed_groups(run.policy, batch, len(records))
+    true, outcomes = rewards.double().mean(1), list(rewards)
+    knn = KNNPrior(
+        window=max(vc.knn_window, len(probe_ids)), top_k=vc.knn_top_k,
+        temperature=vc.knn_temperature, reward_range=vc.reward_range,
+    )  # fmt: skip
+    knn.update(probe_ids, list(probe_truth), probe_emb)
+    out: dict[str, Any] = {
+        "heldout_prompts": len(records),
+        "heldout_truth_rollouts": vc.probe_heldout_truth,
+        "knn_heldout": _clean(evaluate_prior(knn, ids, true, emb, outcomes)),
+    }
+    if uses_embeddings(vc):
+        assert run.v05 is not None
+        out["run_prior_heldout"] = _clean(evaluate_prior(run.v05.prior, ids, true, emb, outcomes))
+    return out, rewards.numel()
+
+
+def append_probe(run_dir: Path, record: Mapping[str, Any]) -> int:
+    """Append ``record`` to ``probe.jsonl`` after dropping records of its step or later;
+    returns the probe rollouts of every record kept (the cumulative probe cost)."""
+    path = Path(run_dir) / PROBE_FILE
+    kept = [r for r in read_probe(run_dir) if r["step"] < record["step"]] + [dict(record)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return sum(int(r["rollouts"]) for r in kept)
+
+
+def read_probe(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/probe.jsonl`` (empty when the run never probed)."""
+    path = Path(run_dir) / PROBE_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

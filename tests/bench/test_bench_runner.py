@@ -1,0 +1,174 @@
+"""Bench runner: suite parsing and planning, a 2-run micro suite end to end, run figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from anchor_rl.bench.runner import load_suite, plan, run_suite, suite_names
+from anchor_rl.bench.summary import markdown_table, run_figures, summarise
+from anchor_rl.cli import app
+from anchor_rl.trainer.config import ConfigError
+
+MICRO = """
+description = "two presets, one seed"
+presets = ["grpo", "rloo"]
+seeds = [0]
+
+[base]
+task = "arithmetic"
+model = "random:tiny"
+steps = 2
+
+[base.rollout]
+prompts_per_step = 2
+n = 2
+max_new_tokens = 8
+
+[base.eval]
+every = 1
+prompts = 2
+
+[base.log]
+progress = false
+tensorboard = false
+
+[variants.short]
+rollout = { max_new_tokens = 4 }
+
+[profiles.longer]
+steps = 3
+"""
+
+
+@pytest.fixture
+def micro(tmp_path):
+    path = tmp_path / "micro.toml"
+    path.write_text(MICRO)
+    return path
+
+
+def test_builtin_suites_load_and_every_run_validates(tmp_path) -> None:
+    assert "baselines" in suite_names()
+    suite = load_suite("baselines")
+    assert suite.presets == ["grpo", "drgrpo", "dapo", "rloo", "reinforce_pp"]
+    full = plan(suite, tmp_path)
+    assert len(full) == 5 * len(suite.seeds)
+    assert all(s.config.task == "arithmetic" and s.config.model == "sft:tiny" for s in full)
+    quick = plan(suite, tmp_path, seeds=[0], profile="quick")
+    assert len(quick) == 5 and all(s.config.model == "random:tiny" for s in quick)
+    dapo = next(s.config for s in quick if s.label == "dapo")
+    assert (
+        dapo.filter.kind == "dynamic" and dapo.loss.clip_high == 0.28
+    )  # the preset survives the layers
+
+
+def test_plan_layers_and_directories(micro, tmp_path) -> None:
+    specs = plan(
+        load_suite(str(micro)),
+        tmp_path,
+        seeds=[3, 4],
+        steps=5,
+        overrides=["optim.lr=0.5"],
+        profile="longer",
+    )
+    assert [(s.label, s.seed) for s in specs] == [
+        ("grpo+short", 3), ("grpo+short", 4), ("rloo+short", 3), ("rloo+short", 4),
+    ]  # fmt: skip
+    first = specs[0].config
+    assert first.steps == 5  # --steps beats the profile
+    assert first.optim.lr == 0.5 and first.rollout.max_new_tokens == 4 and first.rollout.n == 2
+    assert first.seed == 3 and first.kl.coef == 0.04  # seed set per run; the preset's KL kept
+    assert specs[1].run_dir == tmp_path / "grpo+short" / "seed4"
+
+
+def test_plan_fails_before_any_run_naming_the_run_and_field(micro, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"(?s)run grpo\+short seed 0: .*rollout\.n:"):
+        plan(load_suite(str(micro)), tmp_path, overrides=["rollout.n=0"])
+    with pytest.raises(ConfigError, match="no profile 'fast'"):
+        plan(load_suite(str(micro)), tmp_path, profile="fast")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('presets = ["grpo"]\nseed = [1]\n')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_suite(str(bad))
+    with pytest.raises(ConfigError, match="baselines"):
+        load_suite("no-such-suite")
+
+
+@pytest.mark.slow
+def test_micro_suite_end_to_end(micro, tmp_path) -> None:
+    out = tmp_path / "out"
+    suite = load_suite(str(micro))
+    result = run_suite(suite, out, echo=lambda _: None)
+    summary = json.loads(result["summary_json"].read_text())
+    assert [g["label"] for g in summary["groups"]] == ["grpo+short", "rloo+short"]
+    assert {r["label"] for r in summary["runs"]} == {"grpo+short", "rloo+short"}
+    figures = summary["groups"][0]["figures"]
+    assert figures["rollouts"]["mean"] == 8  # 2 steps x 2 prompts x 2 responses
+    assert figures["eval_final"]["n"] == 1 and figures["eval_final"]["half_width"] is None
+    table = result["summary_md"].read_text()
+    assert "| grpo+short | 1 |" in table and "| rloo+short | 1 |" in table
+    assert sorted(p.name for p in result["plots"]) == [
+        "accuracy_vs_rollouts.png", "accuracy_vs_steps.png", "accuracy_vs_time.png",
+    ]  # fmt: skip
+    assert all(p.stat().st_size > 1000 for p in result["plots"])
+    # re-running the same command skips finished runs
+    metrics = out / "grpo+short" / "seed0" / "metrics.jsonl"
+    before = metrics.stat().st_mtime_ns
+    run_suite(suite, out, echo=lambda _: None)
+    assert metrics.stat().st_mtime_ns == before
+    # ... and a different config in the same directory is refused, not silently reused
+    with pytest.raises(ConfigError, match="different config"):
+        run_suite(suite, out, overrides=["optim.lr=0.5"], echo=lambda _: None)
+
+
+@pytest.mark.slow
+def test_bench_cli(micro, tmp_path) -> None:
+    out = tmp_path / "cli"
+    result = CliRunner().invoke(
+        app, ["bench", str(micro), "--seeds", "0,1", "--steps", "1", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert [len(g["seeds"]) for g in groups] == [2, 2]
+    assert groups[0]["figures"]["rollouts"]["half_width"] == 0.0  # same count for both seeds
+    bad = CliRunner().invoke(app, ["bench", str(micro), "--seeds", "a,b", "--out", str(out)])
+    assert bad.exit_code == 2 and "--seeds" in bad.output
+
+
+def _records(accs, rewards, seconds):
+    records = [{"step": 0, "eval/accuracy": accs[0], "rollouts/cumulative": 0, "time/elapsed": 1.0}]
+    for i, (r, s) in enumerate(zip(rewards, seconds, strict=True), 1):
+        records.append({
+            "step": i, "reward/mean": r, "rollouts/cumulative": 4.0 * i, "tokens/cumulative": 10.0 * i,
+            "time/elapsed": 1.0 + i, "time/generate": s, "time/score": 0.1, "time/update": 0.5,
+        })  # fmt: skip
+    records[-1]["eval/accuracy"] = accs[1]
+    return records
+
+
+def test_run_figures_by_hand() -> None:
+    records = _records((0.25, 0.5), [0.0, 0.2, 0.4, 0.6, 0.8], [1.0, 2.0, 3.0, 4.0, 5.0])
+    f = run_figures(records)
+    assert f["eval_start"] == 0.25 and f["eval_final"] == 0.5 and f["eval_best"] == 0.5
+    assert f["reward_last"] == 0.8  # last fifth of 5 steps: step 5 only
+    assert (f["rollouts"], f["tokens"], f["wall_s"]) == (20.0, 50.0, 6.0)
+    assert f["generate_s"] == 3.0 and f["score_s"] == pytest.approx(0.1)
+
+
+def test_summarise_and_markdown_by_hand() -> None:
+    runs = [
+        {"label": "grpo", "seed": s, "figures": {"eval_final": acc, "rollouts": 20.0}}
+        for s, acc in [(0, 0.4), (1, 0.5), (2, 0.6)]
+    ]
+    (group,) = summarise(runs)
+    final = group["figures"]["eval_final"]
+    # mean 0.5, s = 0.1, t_{.975,2} = 4.3027: half-width 4.3027 * 0.1 / sqrt(3) = 0.2484
+    assert final["mean"] == pytest.approx(0.5) and final["half_width"] == pytest.approx(
+        0.2484, abs=1e-4
+    )
+    assert final["values"] == [0.4, 0.5, 0.6]
+    table = markdown_table("s", [group])
+    assert "| grpo | 3 | – | 0.500 ± 0.248 |" in table

@@ -1,0 +1,55 @@
+"""``anchor-rl quickstart`` end to end on a tiny configuration, and its settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from anchor_rl.bench.quickstart import quickstart_config
+from anchor_rl.cli import app
+from anchor_rl.trainer.config import ConfigError
+from anchor_rl.trainer.logging import read_metrics
+
+TINY = [
+    "model=random:tiny", "train_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
+    "rollout.max_new_tokens=8", "eval.prompts=2", "eval.every=1", "pvpo.m=2", "log.progress=false",
+]  # fmt: skip
+
+
+def test_settings_layer_preset_quickstart_task_then_overrides() -> None:
+    cfg = quickstart_config("arithmetic")
+    assert (cfg.preset, cfg.advantage.estimator, cfg.filter.kind) == ("pvpo", "pvpo", "group")
+    assert (cfg.model, cfg.steps, cfg.rollout.n, cfg.pvpo.m) == ("sft:tiny", 60, 4, 8)
+    mh = quickstart_config("multihop", steps=7, time_limit=30, overrides=["pvpo.m=3"])
+    assert mh.task_args == {"reward": "pvpo"}  # the paper's reward manager on QA
+    assert (mh.steps, mh.time_limit, mh.pvpo.m) == (7, 30.0, 3)
+    with pytest.raises(ConfigError, match="rollout.n"):
+        quickstart_config("arithmetic", overrides=["rollout.n=0"])
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end_and_reports(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "qs"
+    runner = CliRunner()
+    result = runner.invoke(app, ["quickstart", "--out", str(out), "--steps", "2", *TINY])
+    assert result.exit_code == 0, result.output
+    assert f"report: {out / 'report.md'}" in result.output
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    report = (out / "report.md").read_text()
+    before, after = records[0]["eval/accuracy"], records[-1]["eval/accuracy"]
+    assert f"| held-out accuracy before training | {before:.3f} |" in report
+    assert f"| held-out accuracy after training | {after:.3f} |" in report
+    # 4 prompts x M = 2 presampled, 2 steps x 2 prompts x N = 2 trained
+    assert "| rollouts: presampling | 8 |" in report and "| rollouts: total | 16 |" in report
+    assert "## Group sampling" in report and "paper: MuSiQue (M=5)" in report
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "pvpo.json").read_text())["prompts"] == 4
+    again = runner.invoke(app, ["quickstart", "--out", str(out), "--steps", "2", *TINY])
+    assert again.exit_code == 2 and "already holds a run" in again.output
+    bad = runner.invoke(app, ["quickstart", "--task", "chess", "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "chess" in bad.output
+    assert not (tmp_path / "b").exists()

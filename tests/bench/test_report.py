@@ -1,0 +1,196 @@
+"""`anchor-rl report`: a report from a synthetic bench directory (markdown, offline HTML,
+plots), the headline claims measured by hand, and the generated block of results.md."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from anchor_rl.bench.report import BEGIN, CLAIMS, END, load_results, measure_claim, splice
+from anchor_rl.bench.summary import run_figures, summarise, write_summary
+from anchor_rl.bench.throughput import stage_figures
+from anchor_rl.bench.trl_compare import DIFFERENCES, ratios
+from anchor_rl.bench.trl_compare import summarise as trl_summarise
+from anchor_rl.cli import app
+
+# Held-out accuracy at steps 0, 2, 4 for two seeds of each label.
+ACCURACY = {
+    "grpo": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
+    "dapo": ([0.2, 0.5, 0.6], [0.2, 0.5, 0.8]),  # final mean 0.7
+    "pvpo": ([0.2, 0.65, 0.7], [0.2, 0.65, 0.7]),  # passes 0.6 at step 2
+}
+
+
+def _records(accuracy: list[float]) -> list[dict[str, float]]:
+    records = [{"step": 0, "eval/accuracy": accuracy[0], "rollouts/cumulative": 0.0,
+                "tokens/cumulative": 0.0, "time/elapsed": 1.0}]  # fmt: skip
+    for step in range(1, 5):
+        record = {
+            "step": step, "reward/mean": 0.1 * step, "rollouts/cumulative": 64.0 * step,
+            "tokens/cumulative": 2000.0 * step, "time/elapsed": 1.0 + 2 * step,
+            "time/generate": 1.0, "time/score": 0.1, "time/update": 0.8, "time/step": 2.0,
+            "advantage/std": 0.9 - 0.1 * step, "policy/entropy": 1.5 - 0.1 * step,
+            "kl/ref": 0.01 * step, "tokens/step": 2000.0,
+        }  # fmt: skip
+        if step % 2 == 0:
+            record["eval/accuracy"] = accuracy[step // 2]
+        records.append(record)
+    return records
+
+
+def _write_suite(root) -> None:
+    runs = []
+    for label, seeds in ACCURACY.items():
+        for seed, accuracy in enumerate(seeds):
+            run_dir = root / label / f"seed{seed}"
+            run_dir.mkdir(parents=True)
+            records = _records(accuracy)
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            (run_dir / "config.json").write_text(json.dumps({"task": "arithmetic", "seed": seed}))
+            (run_dir / "summary.json").write_text(json.dumps({"preset": label, "steps": 4}))
+            runs.append({"label": label, "seed": seed, "dir": str(run_dir),
+                         "figures": run_figures(records)})  # fmt: skip
+    write_summary(root, "synthetic", runs, summarise(runs))
+
+
+def _write_png(path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1, 1))
+    fig.subplots().plot([0, 1], [0, 1])
+    fig.savefig(path)
+
+
+def _write_mse(root) -> None:
+    root.mkdir()
+    summary = {
+        "group_mean_k4": {"mse_mean": [0.25, 0.25], "rollouts": [4.0, 4.0]},
+        "v05_k4": {"mse_mean": [0.05, 0.15], "rollouts": [4.0, 4.0]},
+        "group_mean_k16": {"mse_mean": [0.0625, 0.0625], "rollouts": [16.0, 16.0]},
+        "v05_adaptive": {"mse_mean": [0.01, 0.1], "rollouts": [5.5, 9.0]},
+    }
+    block = {"config": {"biases": [0.0, 0.2], "trials": 100}, "summary": summary}
+    payload = {"suite": "baseline-mse", "quick": False, "configs": {"pm1_worst": block}}
+    (root / "baseline_mse.json").write_text(json.dumps(payload))
+    _write_png(root / "mse_vs_rollouts_pm1_worst.png")
+
+
+def _write_trl(root) -> None:
+    root.mkdir()
+
+    def result(seconds, rss, final):
+        return {
+            "steps": [{"seconds": seconds, "tokens": 100.0, "reward": 0.5}],
+            "memory": {"rss_before_mb": 300.0, "rss_peak_mb": rss, "cuda_peak_mb": None},
+            "eval": {"start": {"eval/accuracy": 0.2}, "final": {"eval/accuracy": final}},
+        }
+
+    summary = trl_summarise(
+        {"anchor-rl": [result(2.0, 400.0, 0.5)], "trl": [result(3.0, 600.0, 0.4)]}
+    )
+    payload = {
+        "suite": "trl", "command": "anchor-rl bench trl --out x", "trl_version": "9.9.9",
+        "host": {"device": "cpu", "device_name": "test cpu", "torch_threads": 1},
+        "seeds": [0], "summary": summary, "ratios": ratios(summary),
+        "differences": [list(d) for d in DIFFERENCES],
+        "settings": {"preset": "grpo", "task": "arithmetic", "model": "sft:tiny", "steps": 1,
+                     "prompts_per_step": 8, "group_size": 8},
+    }  # fmt: skip
+    (root / "trl_compare.json").write_text(json.dumps(payload))
+    _write_png(root / "reward_vs_step.png")
+
+
+def _write_throughput(root) -> None:
+    root.mkdir()
+    records = [{"step": 1, "tokens/step": 100.0, "time/generate": 1.0, "time/score": 0.5,
+                "time/update": 0.25, "time/step": 2.0}]  # fmt: skip
+    payload = {
+        "suite": "throughput", "command": "anchor-rl bench throughput --out y",
+        "host": {"device": "cpu", "device_name": "test cpu", "torch_threads": 1},
+        "settings": {"preset": "grpo", "prompts_per_step": 8, "n": 8, "max_new_tokens": 80,
+                     "steps": 1, "warmup_steps_excluded": 0},
+        "rows": [{"size": "tiny", "parameters": 1_100_000, "figures": stage_figures(records)}],
+    }  # fmt: skip
+    (root / "throughput.json").write_text(json.dumps(payload))
+
+
+@pytest.fixture
+def bench(tmp_path):
+    root = tmp_path / "runs"
+    _write_suite(root / "synthetic")
+    _write_mse(root / "baseline-mse")
+    _write_trl(root / "trl")
+    _write_throughput(root / "throughput")
+    return root
+
+
+def test_claims_measured_by_hand(bench) -> None:
+    results = load_results([bench])
+    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "pvpo"]
+    assert len(results.sources) == 4  # the run-level summary.json files are not suites
+    by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
+    (dapo,) = measure_claim(by[("final_gain", "dapo", "grpo")], results)
+    assert dapo.startswith("0.600 ± 1.271 → 0.700 ± 1.271 (+0.100)")  # t(0.975, 1) = 12.706
+    assert "suite `synthetic`" in dapo and "2 seed(s)" in dapo
+    (speed,) = measure_claim(by[("steps_to_match", "pvpo", "grpo")], results)
+    assert speed.startswith("target 0.600 reached at step 2 of 4 (0.50×)")
+    assert measure_claim(by[("final_gain", "v05", "grpo")], results) == []
+    (mse,) = measure_claim(by[("mse", "v05_k4", "group_mean_k4")], results)
+    assert mse.startswith("group_mean_k4: MSE 0.250/0.250, rollouts 4; v05_k4: MSE 0.050/0.150")
+
+
+def test_report_files_and_offline_html(bench, tmp_path) -> None:
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["report", str(bench), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    for png in ("accuracy_vs_rollouts", "accuracy_vs_time", "advantage_std", "entropy", "kl",
+                "baseline_mse_vs_rollouts", "trl_reward_vs_step"):  # fmt: skip
+        assert (out / f"{png}.png").stat().st_size > 0
+        assert f"]({png}.png)" in md
+    assert "not measured" in md and "| `v05` vs `grpo` |" in md
+    assert "| dapo | synthetic | 2 | 0.200 ± 0.000 | 0.700 ± 1.271 | 256 ± 0 |" in md
+    assert "| tiny | 1.1M | 100 | 400 | 2.00 | 50.0% | 25.0% | 12.5% | 12.5% |" in md
+    assert "| seconds per step (mean over steps) | 2.00 | 3.00 | 1.50× |" in md
+    # Offline: every image is a data URI, nothing is fetched from anywhere.
+    sources = re.findall(r'src="([^"]*)"', page)
+    assert len(sources) == md.count("![") == 7
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    assert "http://" not in page and "https://" not in page
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert "<code>anchor-rl bench trl --out x</code>" in page
+
+
+def test_results_md_block_is_replaced_and_hand_sections_kept(bench, tmp_path) -> None:
+    results_md = tmp_path / "docs" / "results.md"
+    results_md.parent.mkdir()
+    results_md.write_text(
+        f"# Results\n\nhand-written intro\n\n{BEGIN}\nold\n{END}\n\n## Hand section\n"
+    )
+    args = ["report", str(bench), "--out", str(tmp_path / "docs" / "report"),
+            "--results-md", str(results_md)]  # fmt: skip
+    assert CliRunner().invoke(app, args).exit_code == 0
+    first = results_md.read_text()
+    assert first.startswith("# Results\n\nhand-written intro\n\n" + BEGIN)
+    assert first.endswith(END + "\n\n## Hand section\n") and "\nold\n" not in first
+    assert "](report/accuracy_vs_rollouts.png)" in first  # relative to results.md
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert results_md.read_text() == first  # regenerating is idempotent
+
+
+def test_splice_appends_without_markers_and_rejects_a_lone_marker() -> None:
+    assert splice("# R\n\nhand\n", "table") == f"# R\n\nhand\n\n{BEGIN}\n\ntable\n\n{END}\n"
+    assert splice(f"a\n{BEGIN}\nx\n{END}\nb\n", "y") == f"a\n{BEGIN}\n\ny\n\n{END}\nb\n"
+    with pytest.raises(ValueError, match="unmatched"):
+        splice(f"a\n{END}\n", "y")
+
+
+def test_report_cli_errors(tmp_path) -> None:
+    missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "is not a directory" in missing.output
+    empty = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
+    assert empty.exit_code == 2 and "no bench results" in empty.output

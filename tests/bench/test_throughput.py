@@ -1,0 +1,63 @@
+"""Suite `throughput`: stage figures by hand, size selection, and a 1-step run on tiny."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from anchor_rl.bench.throughput import default_sizes, parameter_count, stage_figures
+from anchor_rl.cli import app
+from anchor_rl.models.factory import build_model, num_parameters
+from anchor_rl.models.tokenizer import build_tokenizer
+
+
+def _step(step, tokens, generate, score, update, total):
+    return {
+        "step": step, "tokens/step": tokens, "time/generate": generate, "time/score": score,
+        "time/update": update, "time/step": total,
+    }  # fmt: skip
+
+
+def test_stage_figures_by_hand_leave_out_the_warmup_step() -> None:
+    records = [
+        {"step": 0, "eval/accuracy": 0.1},
+        _step(1, 100.0, 9.0, 9.0, 9.0, 30.0),  # warm-up: left out
+        _step(2, 100.0, 1.0, 0.25, 0.5, 2.0),
+        _step(3, 100.0, 1.0, 0.25, 0.5, 2.0),
+    ]
+    f = stage_figures(records)
+    assert f["steps"] == 2.0 and f["tokens_per_step"] == 100.0 and f["s_per_step"] == 2.0
+    assert f["rollout_tok_s"] == 100.0  # 200 tokens / 2 s generating
+    assert f["update_tok_s"] == 200.0  # 200 tokens / 1 s updating
+    assert (f["frac_generate"], f["frac_score"], f["frac_update"]) == (0.5, 0.125, 0.25)
+    assert f["frac_other"] == pytest.approx(0.125)
+    single = stage_figures(records[:2])  # one step: nothing left out
+    assert single["steps"] == 1.0 and single["rollout_tok_s"] == pytest.approx(100 / 9)
+    with pytest.raises(ValueError, match="no training step"):
+        stage_figures(records[:1])
+
+
+def test_default_sizes_and_parameter_count() -> None:
+    assert default_sizes("cpu") == ("tiny", "small", "base")
+    assert default_sizes("cuda") == ("base",)
+    assert default_sizes("cpu", "quick") == ("tiny",)
+    assert parameter_count("tiny") == num_parameters(build_model("tiny", build_tokenizer()))
+
+
+def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
+    out = tmp_path / "tp"
+    result = CliRunner().invoke(app, ["bench", "throughput", "--quick", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    payload = json.loads((out / "throughput.json").read_text())
+    (row,) = payload["rows"]
+    f = row["figures"]
+    assert row["size"] == "tiny" and f["steps"] == 1.0
+    assert f["rollout_tok_s"] > 0 and f["update_tok_s"] > 0
+    shares = [f[f"frac_{k}"] for k in ("generate", "score", "update", "other")]
+    assert sum(shares) == pytest.approx(1.0) and min(shares[:3]) >= 0
+    assert payload["host"]["device"] == "cpu" and payload["settings"]["warmup_steps_excluded"] == 0
+    assert "| tiny |" in (out / "throughput.md").read_text()
+    assert (out / "stage_time.png").stat().st_size > 0
+    assert "--profile quick" in payload["command"]

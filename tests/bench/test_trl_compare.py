@@ -1,0 +1,193 @@
+"""Suite `trl`: the config mapping to TRL's GRPOConfig, the pieces handed to TRL, the
+figures, and (when TRL is installed) a 1-step run of both trainers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from anchor_rl.bench.trl_compare import (
+    INSTALL_HINT,
+    grpo_config_kwargs,
+    prompt_rows,
+    ratios,
+    require_trl,
+    run_figures,
+    stop_token_ids,
+    summarise,
+    task_reward_function,
+)
+from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
+from anchor_rl.tasks import get_task
+from anchor_rl.trainer.config import ConfigError, load_config
+
+
+def test_grpo_preset_maps_to_grpo_config_by_hand() -> None:
+    cfg = load_config(
+        "grpo",
+        ["rollout.prompts_per_step=4", "rollout.n=4", "steps=5", "optim.lr=3e-5",
+         "rollout.max_new_tokens=32", "seed=3", "rollout.top_p=0.9"],
+    )  # fmt: skip
+    kwargs = grpo_config_kwargs(cfg, "/tmp/x")
+    expected = {
+        "output_dir": "/tmp/x",
+        "seed": 3,
+        "max_steps": 5,
+        "use_cpu": True,
+        "num_generations": 4,
+        "per_device_train_batch_size": 16,  # 4 prompts x 4 completions, one optimizer step
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_iterations": 1,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 0,
+        "max_completion_length": 32,
+        "shuffle_dataset": False,
+        "scale_rewards": "group",
+        "loss_type": "grpo",
+        "epsilon": 0.2,
+        "epsilon_high": 0.2,
+        "delta": None,
+        "mask_truncated_completions": False,
+        "beta": 0.04,
+        "use_bias_correction_kl": False,
+        "learning_rate": 3e-5,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "optim": "adamw_torch",
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "bf16": False,
+        "fp16": False,
+        "gradient_checkpointing": False,
+    }
+    assert {k: kwargs[k] for k in expected} == expected
+
+
+def test_epochs_mini_and_micro_batches_map_to_accumulation_and_iterations() -> None:
+    cfg = load_config(
+        "drgrpo",
+        ["rollout.prompts_per_step=4", "rollout.n=4", "steps=3", "optim.epochs=2",
+         "optim.mini_batches=2", "optim.micro_batch_size=4", "loss.clip_c=3.0"],
+    )  # fmt: skip
+    kwargs = grpo_config_kwargs(cfg, "o")
+    # 16 responses -> 2 mini-batches of 8 -> micro-batches of 4 (accumulate 2).
+    assert kwargs["per_device_train_batch_size"] == 4
+    assert kwargs["gradient_accumulation_steps"] == 2
+    assert kwargs["steps_per_generation"] == 4  # micro-batches per generation
+    assert kwargs["num_iterations"] == 2
+    assert kwargs["max_steps"] == 3 * 2 * 2  # optimizer steps
+    assert kwargs["scale_rewards"] == "none" and kwargs["loss_type"] == "dr_grpo"
+    assert kwargs["beta"] == 0.0 and kwargs["delta"] == 3.0
+
+
+def test_settings_trl_cannot_express_fail_naming_the_knob() -> None:
+    with pytest.raises(ConfigError, match="filter.kind='dynamic'.*overlong_cache"):
+        grpo_config_kwargs(load_config("dapo"), "o")
+    with pytest.raises(ConfigError, match="advantage.estimator='rloo'"):
+        grpo_config_kwargs(load_config("rloo"), "o")
+    with pytest.raises(ConfigError, match="mini_batches=3 must divide"):
+        grpo_config_kwargs(load_config("grpo", ["optim.mini_batches=3"]), "o")
+    with pytest.raises(ConfigError, match="micro_batch_size=5"):
+        grpo_config_kwargs(load_config("grpo", ["optim.micro_batch_size=5"]), "o")
+    with pytest.raises(ConfigError, match="warmup"):
+        grpo_config_kwargs(load_config("grpo", ["optim.warmup_steps=2"]), "o")
+    with pytest.raises(ConfigError, match="clip_c"):
+        grpo_config_kwargs(load_config("grpo", ["loss.clip_c=1.1"]), "o")
+
+
+def test_missing_trl_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "trl", None)  # makes `import trl` fail
+    with pytest.raises(ImportError) as err:
+        require_trl()
+    assert INSTALL_HINT in str(err.value) and ".[compare]" in INSTALL_HINT
+
+
+def test_stop_tokens_prompts_and_reward_match_the_engine() -> None:
+    tok = build_tokenizer()
+    assert stop_token_ids(tok, ["</answer>"]) == [tok.convert_tokens_to_ids("</answer>")]
+    with pytest.raises(ConfigError, match="'ab' is 2 tokens"):
+        stop_token_ids(tok, ["ab"])
+    task = get_task("arithmetic")
+    records = task.records("train")[:3]
+    rows = prompt_rows(tok, task, records)
+    assert [r["record"] for r in rows] == [0, 1, 2]
+    for row, record in zip(rows, records, strict=True):
+        ids = tok(text=row["prompt"], add_special_tokens=False)["input_ids"]
+        assert ids == encode_prompt(tok, record.prompt, task.instruction)
+        assert row["prompt"] == f"<|user|>{record.prompt}<|end|><|assistant|>"
+    generated: list[int] = []
+    reward = task_reward_function(task, records, generated)
+    completions = [f"<answer>{records[2].answer}</answer>", "<answer>-1</answer>"]
+    scores = reward(
+        prompts=["p", "p"],
+        completions=completions,
+        record=[2, 0],
+        completion_ids=[[1] * 5, [2] * 3],
+    )
+    assert scores == [1.0, 0.0] and generated == [8]
+
+
+def _result(seconds, tokens, rewards, rss, final=None):
+    out = {
+        "steps": [
+            {"seconds": s, "tokens": t, "reward": r}
+            for s, t, r in zip(seconds, tokens, rewards, strict=True)
+        ],
+        "memory": {"rss_before_mb": rss - 100.0, "rss_peak_mb": rss, "cuda_peak_mb": None},
+    }
+    if final is not None:
+        out["eval"] = {"start": {"eval/accuracy": 0.25}, "final": {"eval/accuracy": final}}
+    return out
+
+
+def test_figures_and_ratios_by_hand() -> None:
+    ours = _result([1.0, 3.0], [10.0, 30.0], [0.0, 0.5], 500.0, final=0.5)
+    f = run_figures(ours)
+    assert f["s_per_step"] == 2.0 and f["tokens_per_s"] == 10.0 and f["tokens_per_step"] == 20.0
+    assert f["reward_last"] == 0.5 and f["rss_peak_mb"] == 500.0 and f["rss_before_mb"] == 400.0
+    assert f["eval_start"] == 0.25 and f["eval_final"] == 0.5 and "cuda_peak_mb" not in f
+    theirs = [
+        _result([2.0, 2.0], [20.0, 20.0], [0.0, 0.0], 800.0, final=0.25),
+        _result([4.0, 4.0], [20.0, 20.0], [0.0, 0.0], 1000.0, final=0.75),
+    ]
+    summary = summarise({"anchor-rl": [ours, ours], "trl": theirs})
+    assert summary["trl"]["s_per_step"]["mean"] == 3.0
+    assert summary["trl"]["s_per_step"]["values"] == [2.0, 4.0]
+    assert summary["anchor-rl"]["s_per_step"]["half_width"] == 0.0
+    r = ratios(summary)  # paired by seed
+    assert r["s_per_step"]["values"] == [1.0, 2.0] and r["s_per_step"]["mean"] == 1.5
+    assert r["tokens_per_s"]["values"] == [1.0, 0.5]  # 10/10, 5/10
+    assert r["rss_peak_mb"]["values"] == [1.6, 2.0]
+    assert r["eval_final_diff"]["values"] == [-0.25, 0.25] and r["eval_final_diff"]["mean"] == 0.0
+    # sample std 0.707, standard error 0.5, t(0.975, 1) = 12.706
+    assert r["s_per_step"]["half_width"] == pytest.approx(12.7062 * 0.5, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_one_step_of_both_trainers(tmp_path) -> None:
+    trl = pytest.importorskip("trl", reason="TRL is in the `compare` extra, not installed here")
+    from anchor_rl.bench.trl_compare import run_trl_suite
+
+    result = run_trl_suite(tmp_path, seeds=[0], profile="quick", echo=lambda _: None)
+    payload = json.loads(result["summary_json"].read_text())
+    assert payload["trl_version"] == trl.__version__
+    for framework in ("anchor-rl", "trl"):
+        (run,) = payload["runs"][framework]
+        assert len(run["steps"]) == 1 and run["steps"][0]["tokens"] > 0
+        assert 0.0 <= run["eval"]["final"]["eval/accuracy"] <= 1.0
+        assert run["memory"]["rss_peak_mb"] >= run["memory"]["rss_before_mb"] > 0
+    # Both evaluate the same initial model the same way.
+    starts = [payload["runs"][f][0]["eval"]["start"] for f in ("anchor-rl", "trl")]
+    assert starts[0] == starts[1]
+    assert set(payload["ratios"]) >= {"s_per_step", "tokens_per_s", "rss_peak_mb"}
+    text = result["summary_md"].read_text()
+    assert "TRL / anchor-rl" in text and "What differs" in text
+    assert result["plots"][0].is_file()
+    # The mapping is accepted by this TRL version as is.
+    trl.GRPOConfig(**payload["grpo_config"], output_dir=str(tmp_path / "cfg"))

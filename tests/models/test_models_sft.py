@@ -1,0 +1,122 @@
+"""SFT warm start on a tiny synthetic task: example masks, loss goes down, determinism, caching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import anchor_rl.tasks
+from anchor_rl.models import sft
+from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.tasks.base import Record, Task
+from anchor_rl.tools.parsing import format_result
+
+
+class CopyTask(Task):
+    """Repeat a two-letter word inside an answer tag (the trace also makes one tool call)."""
+
+    name = "copy"
+
+    def records(self, split):
+        words = [a + b for a in "abcdefgh" for b in "abcdefgh"]
+        return [Record(id=w, prompt=w, answer=w) for w in words]
+
+    def reward(self, completion, record):
+        return float(f"<answer>{record.answer}</answer>" in completion)
+
+    def trace(self, record):
+        return (
+            f"<search>{record.prompt}</search>{format_result('ok')}<answer>{record.answer}</answer>"
+        )
+
+
+@pytest.fixture
+def copy_task(monkeypatch, tmp_path):
+    monkeypatch.setattr(anchor_rl.tasks, "get_task", lambda name, **kw: CopyTask(), raising=False)
+    monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path / "cache"))
+    return CopyTask()
+
+
+def test_example_masks_prompt_and_tool_output(copy_task):
+    tok = build_tokenizer()
+    ids, mask = sft.sft_example(tok, copy_task, copy_task.records("train")[0])
+    prompt = tok.encode("<|user|>aa<|end|><|assistant|>")
+    call, result = tok.encode("<search>aa</search>"), tok.encode(format_result("ok"))
+    answer = tok.encode("<answer>aa</answer>")
+    assert ids == prompt + call + result + answer + [tok.eos_token_id]
+    assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * (len(answer) + 1)
+
+
+def test_lr_schedule_hand_values():
+    cfg = sft.SFTConfig(task="copy", steps=120, lr=1e-3, warmup=20)
+    assert sft.lr_at(0, cfg) == pytest.approx(5e-5)
+    assert sft.lr_at(19, cfg) == pytest.approx(1e-3)
+    assert sft.lr_at(70, cfg) == pytest.approx(1e-3 * (0.1 + 0.45))
+    assert sft.lr_at(120, cfg) == pytest.approx(1e-4)
+
+
+def test_length_bucketed_batches_cover_each_epoch_with_similar_lengths():
+    lengths = [(7 * i) % 64 for i in range(64)]  # a permutation of 0..63
+    batches = list(
+        sft.length_bucketed_batches(lengths, 4, 32, torch.Generator().manual_seed(0), pool=4)
+    )
+    assert len(batches) == 32 and all(len(b) == 4 for b in batches)
+    for epoch in (batches[:16], batches[16:]):
+        assert sorted(i for b in epoch for i in b) == list(range(64))
+    # each pool of 16 (4 consecutive batches) is cut from a sorted list: the batches'
+    # length ranges do not overlap
+    for start in range(0, 32, 4):
+        ranges = sorted(
+            (min(lengths[i] for i in b), max(lengths[i] for i in b))
+            for b in batches[start : start + 4]
+        )
+        assert all(hi < lo for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False))
+
+
+def test_config_key_changes_with_any_field():
+    base = sft.SFTConfig(task="copy")
+    assert base.key() == sft.SFTConfig(task="copy").key()
+    assert (
+        len(
+            {
+                base.key(),
+                sft.SFTConfig(task="copy", seed=1).key(),
+                sft.SFTConfig(task="copy", lr=1e-4).key(),
+            }
+        )
+        == 3
+    )
+    with pytest.raises(ValueError, match="steps"):
+        sft.SFTConfig(task="copy", steps=0)
+
+
+@pytest.mark.slow
+def test_sft_reduces_loss_is_deterministic_and_cached(copy_task, tmp_path, monkeypatch):
+    kwargs = {"steps": 40, "lr": 3e-3, "batch_size": 16, "seed": 0, "progress": False}
+    path = sft.train_sft("copy", "tiny", **kwargs)
+    assert path.parent == tmp_path / "cache" / "sft"
+    losses = json.loads((path / "loss.json").read_text())
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+    assert (path / "loss_curve.png").stat().st_size > 1000
+    assert json.loads((path / "sft_config.json").read_text())["steps"] == 40
+
+    other = sft.train_sft("copy", "tiny", out=tmp_path / "again", **kwargs)
+    assert json.loads((other / "loss.json").read_text()) == losses
+
+    def no_training(*args, **kw):
+        raise AssertionError("a cached config must not train again")
+
+    monkeypatch.setattr(sft, "run_sft", no_training)
+    assert sft.train_sft("copy", "tiny", **kwargs) == path
+    with pytest.raises(AssertionError, match="must not train"):
+        sft.train_sft("copy", "tiny", **{**kwargs, "seed": 1})
+
+
+def test_out_dir_holding_something_else_is_refused(copy_task, tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="does not hold this SFT config"):
+        sft.train_sft("copy", "tiny", steps=1, out=tmp_path / "busy", progress=False)

@@ -1,0 +1,78 @@
+"""RolloutBatch: validation, select, cat (re-padding) and lengths on hand-made rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+
+PAD = 7
+
+
+def batch(responses: list[list[int]], policy: list[list[int]], group: list[int]) -> RolloutBatch:
+    b, t = len(responses), max(len(r) for r in responses)
+    ids = torch.full((b, t), PAD)
+    att, loss = torch.zeros(b, t), torch.zeros(b, t)
+    for i, (r, p) in enumerate(zip(responses, policy, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        att[i, : len(r)] = 1
+        loss[i, : len(r)] = torch.tensor(p, dtype=torch.float32)
+    return RolloutBatch(
+        group=torch.tensor(group),
+        prompt_ids=[[1, i] for i in range(b)],
+        response_ids=ids,
+        attention_mask=att,
+        loss_mask=loss,
+        logprobs=-0.5 * loss,
+        texts=[f"t{i}" for i in range(b)],
+        tool_calls=torch.arange(b),
+        truncated=torch.tensor([i % 2 == 1 for i in range(b)]),
+        pad_id=PAD,
+    )
+
+
+def test_lengths_count_policy_tokens_only():
+    rb = batch([[1, 2, 3], [4, 5, 6, 7]], [[1, 0, 1], [1, 1, 1, 1]], [0, 0])
+    assert rb.lengths.tolist() == [2, 4]
+    assert len(rb) == 2
+
+
+def test_select_by_index_and_mask_keeps_rows_in_order():
+    rb = batch([[1], [2, 3], [4, 5, 6]], [[1], [1, 1], [1, 0, 1]], [0, 1, 1])
+    s = rb.select([2, 0])
+    assert s.group.tolist() == [1, 0]
+    assert s.response_ids.tolist() == [[4, 5, 6], [1, PAD, PAD]]
+    assert s.prompt_ids == [[1, 2], [1, 0]] and s.texts == ["t2", "t0"]
+    assert s.tool_calls.tolist() == [2, 0]
+    m = rb.select(torch.tensor([False, True, True]))
+    assert m.texts == ["t1", "t2"] and m.loss_mask.tolist() == [[1, 1, 0], [1, 0, 1]]
+    with pytest.raises(ValueError, match="bool mask"):
+        rb.select(torch.tensor([True, False]))
+
+
+def test_cat_repads_to_longest_with_pad_id_and_zero_masks():
+    a = batch([[1, 2]], [[1, 1]], [0])
+    b = batch([[3, 4, 5, 6]], [[1, 0, 0, 1]], [1])
+    c = RolloutBatch.cat([a, b])
+    assert c.response_ids.tolist() == [[1, 2, PAD, PAD], [3, 4, 5, 6]]
+    assert c.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert c.logprobs.tolist() == [[-0.5, -0.5, 0, 0], [-0.5, 0, 0, -0.5]]
+    assert c.group.tolist() == [0, 1] and c.texts == ["t0", "t0"]
+
+
+def test_shape_mismatch_is_rejected():
+    rb = batch([[1, 2]], [[1, 1]], [0])
+    with pytest.raises(ValueError, match="loss_mask"):
+        RolloutBatch(**{**rb.__dict__, "loss_mask": torch.ones(1, 3)})
+    with pytest.raises(ValueError, match="texts"):
+        RolloutBatch(**{**rb.__dict__, "texts": []})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0}, {"max_turns": -1}],
+)
+def test_sampling_params_reject_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)

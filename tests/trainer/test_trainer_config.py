@@ -1,0 +1,175 @@
+"""Config: presets load and validate, overrides parse and coerce, errors name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from anchor_rl.trainer.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    build_config,
+    describe,
+    field_paths,
+    load_config,
+    parse_override,
+    preset_names,
+    read_preset,
+)
+
+PRESETS = ["dapo", "drgrpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+"""The baseline presets; PVPO, V0.5 and critic presets come with their own tests."""
+
+
+def test_builtin_presets_are_listed() -> None:
+    assert set(PRESETS) <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_and_validates(name: str) -> None:
+    cfg = load_config(name)
+    assert cfg.preset == name
+    # a preset sets only algorithm knobs: run-scale settings stay at the defaults
+    assert cfg.rollout == TrainConfig().rollout
+    assert cfg.optim == TrainConfig().optim
+
+
+def test_presets_set_what_their_papers_set() -> None:
+    grpo, dr, dapo, rloo, rpp, rppb = (
+        load_config(n)
+        for n in ["grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    )
+    assert (grpo.advantage.estimator, grpo.loss.agg, grpo.kl.coef, grpo.kl.kind) == (
+        "grpo",
+        "seq-mean-token-mean",
+        0.04,
+        "k3",
+    )
+    assert (dr.advantage.estimator, dr.loss.agg, dr.kl.coef) == (
+        "drgrpo",
+        "seq-mean-token-sum-norm",
+        0.0,
+    )
+    assert (dapo.loss.clip_low, dapo.loss.clip_high, dapo.loss.agg, dapo.kl.coef) == (
+        0.2,
+        0.28,
+        "token-mean",
+        0.0,
+    )
+    assert dapo.filter.kind == "dynamic" and dapo.reward.overlong_cache > 0
+    assert rloo.advantage.estimator == "rloo" and rloo.kl.in_reward
+    assert rpp.advantage.estimator == "reinforce_pp" and rpp.kl.in_reward
+    assert rppb.advantage.estimator == "reinforce_pp_baseline"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("rollout.n=16", "rollout.n", 16),
+        ("kl.coef=0.04", "kl.coef", 0.04),
+        ("log.wandb=true", "log.wandb", True),
+        ("model=sft:tiny", "model", "sft:tiny"),
+        ("model=/tmp/some dir", "model", "/tmp/some dir"),
+        ('task="arithmetic"', "task", "arithmetic"),
+        ("optim.betas=[0.9, 0.95]", "optim.betas", [0.9, 0.95]),
+        ("loss.clip_c=none", "loss.clip_c", None),
+        (" steps = 3 ", "steps", 3),
+    ],
+)
+def test_parse_override(text: str, key: str, value: object) -> None:
+    assert parse_override(text) == (key, value)
+
+
+def test_override_without_equals_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("rollout.n")
+
+
+def test_overrides_are_applied_and_coerced() -> None:
+    cfg = load_config(
+        "grpo",
+        [
+            "rollout.n=4",
+            "kl.coef=0",
+            "optim.lr=3e-4",
+            "optim.betas=[0.9, 0.95]",
+            "task_args.digits=3",
+        ],
+    )
+    assert cfg.rollout.n == 4 and cfg.kl.coef == 0.0 and cfg.optim.lr == 3e-4
+    assert cfg.optim.betas == (0.9, 0.95)
+    assert cfg.task_args == {"digits": 3}
+    assert cfg.kl.kind == "k3"  # untouched preset values survive
+    # a numeric string is coerced by the field's type
+    assert load_config(None, ['steps="7"']).steps == 7
+
+
+def test_unknown_key_is_rejected_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.nn'.*rollout\.n"):
+        load_config("grpo", ["rollout.nn=3"])
+
+
+def test_section_is_not_a_value() -> None:
+    with pytest.raises(ConfigError, match="unknown config key 'rollout'"):
+        load_config(None, ["rollout=3"])
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.n=0", "rollout.n"),
+        ("loss.clip_low=2", "loss.clip_low"),
+        ("kl.kind=k4", "kl.kind"),
+        ("loss.agg=sum", "loss.agg"),
+        ("steps=abc", "steps"),
+        ("optim.lr=-1", "optim.lr"),
+        ("loss.clip_c=0.5", "loss.clip_c"),
+    ],
+)
+def test_invalid_values_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", [override])
+    assert f"{field}:" in str(info.value)
+
+
+def test_overlong_window_is_a_fraction_of_the_budget() -> None:
+    assert load_config("dapo", ["rollout.max_new_tokens=96"]).overlong_cache_tokens == 19
+    assert load_config("dapo", ["rollout.max_new_tokens=2"]).overlong_cache_tokens == 1
+    assert load_config("grpo").overlong_cache_tokens == 0
+    with pytest.raises(ConfigError, match="reward.overlong_cache:"):
+        load_config("dapo", ["reward.overlong_cache=1.5"])
+
+
+def test_unknown_key_in_a_table_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="kl.beta: unknown key"):
+        build_config({"kl": {"beta": 0.1}})
+
+
+def test_unknown_preset_lists_the_presets(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="grpo"):
+        read_preset("nope")
+    custom = tmp_path / "mine.toml"
+    custom.write_text("[kl]\ncoef = 0.5\n")
+    cfg = load_config(str(custom))
+    assert cfg.preset == "mine" and cfg.kl.coef == 0.5
+
+
+def test_apply_overrides_does_not_mutate_its_input() -> None:
+    table = {"kl": {"coef": 0.1}}
+    out = apply_overrides(table, {"kl.coef": 0.2})
+    assert table == {"kl": {"coef": 0.1}} and out == {"kl": {"coef": 0.2}}
+
+
+def test_every_field_is_documented() -> None:
+    rows = describe()
+    assert {key for key, _, _ in rows} == set(field_paths())
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert undocumented == []
+
+
+def test_docs_list_every_field_with_its_default() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    missing = [key for key, default, _ in describe() if f"| `{key}` | `{default}` |" not in doc]
+    assert missing == []
