@@ -76,7 +76,10 @@ def kl(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return 0.5 * x.square()
     if kind == "k3":
-        return (torch.exp(-x) + x - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
+        # expm1(-x) + x rather than exp(-x) + x - 1: the latter rounds to small negative
+        # values for |x| ~ 1e-12, the former stays >= 0 (expm1(-x) >= -x, both rounded
+        # monotonically) and keeps k3's x^2/2 precision near 0.
+        return (torch.expm1(-x) + x).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 

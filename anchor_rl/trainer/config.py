@@ -174,7 +174,7 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     """Resumable checkpoints in RUN_DIR/checkpoints/step_NNNNNN."""
 
-    every: int = Field(0, ge=0)
+    every: int = Field(25, ge=0)
     """Save every this many steps and after the last step; 0 saves only after the last step."""
     keep: int = Field(1, gt=0)
     """Checkpoints kept on disk (oldest deleted first)."""

@@ -171,6 +171,17 @@ def _sample(
     return rewards.reshape(len(records), n), batch
 
 
+def _scored_prior(prior: Tensor, truth: Tensor, vc: V05Config) -> dict[str, float]:
+    """``prior_metrics`` of ``prior[P]`` against the truth rollouts ``truth[P, M]``, with the
+    normalised means ``pred_mean`` and ``true_mean`` (as ``evaluate_prior`` reports them)."""
+    lo, hi = vc.reward_range
+    true = truth.double().mean(1)
+    out = prior_metrics(prior, true, list(truth), vc.reward_range)
+    out["pred_mean"] = float((prior.double().mean() - lo) / (hi - lo))
+    out["true_mean"] = float((true.mean() - lo) / (hi - lo))
+    return out
+
+
 def _clean(metrics: Mapping[str, float]) -> dict[str, float | None]:
     """JSON-safe: NaN (an AUC with one class) becomes None."""
     return {k: (None if v != v else v) for k, v in metrics.items()}
@@ -205,9 +216,7 @@ def run_probe(run: Run, step: int) -> dict[str, float]:
         "k_max": vc.k_max,
         "truth_rollouts": vc.probe_truth,
         "methods": baseline_errors(pool, truth, prior, anchor, vc, k_init),
-        "prior_probe": _clean(
-            prior_metrics(prior, truth.double().mean(1), list(truth), vc.reward_range)
-        ),
+        "prior_probe": _clean(_scored_prior(prior, truth, vc)),
     }
     rollouts = rewards.numel()
     if vc.probe_heldout:

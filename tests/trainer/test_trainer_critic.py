@@ -428,3 +428,45 @@ def _state_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
     return a == b
+
+
+# --- the bench suite -----------------------------------------------------------------
+
+
+def test_vapo_suite_plans_ppo_vapo_and_each_ablation_at_equal_rollouts(tmp_path) -> None:
+    from anchor_rl.bench.runner import load_suite, plan
+
+    specs = plan(load_suite("vapo"), tmp_path)
+    labels = sorted({s.label for s in specs})
+    assert labels == sorted(
+        ["ppo", "vapo"]
+        + [
+            f"vapo+no_{k}"
+            for k in (
+                "value_pretraining",
+                "decoupled_gae",
+                "length_adaptive_gae",
+                "clip_higher",
+                "token_mean",
+                "nll",
+                "group_sampling",
+            )
+        ]  # fmt: skip
+    )
+    assert len(specs) == 18 and {s.seed for s in specs} == {0, 1}
+    assert {s.config.rollout.prompts_per_step * s.config.rollout.n for s in specs} == {64}
+    by = {(s.label, s.seed): s.config.model_dump() for s in specs}
+    vapo = by[("vapo", 0)]
+    for label in labels:
+        if label.startswith("vapo+"):
+            changed = {
+                (section, key)
+                for section, table in by[(label, 0)].items()
+                if isinstance(table, dict)
+                for key in table
+                if table[key] != vapo[section][key]
+            }
+            # one knob each; group sampling re-splits prompts x samples
+            assert len(changed) == (2 if label.endswith("group_sampling") else 1), label
+    quick = plan(load_suite("vapo"), tmp_path, seeds=[0], profile="quick")
+    assert all(s.config.model == "random:tiny" for s in quick)

@@ -80,6 +80,7 @@ def test_probe_measures_and_never_changes_training(parity, v05_tiny, tmp_path) -
         "group_mean_k4", "loo_k4", "group_mean_k16", "anchor", "prior", "v05_k4", "v05_adaptive",
     }  # fmt: skip
     assert "knn_heldout" in probes[0] and "run_prior_heldout" not in probes[0]
+    assert {"auc", "ece", "mse", "pred_mean", "true_mean"} <= set(probes[0]["prior_probe"])
     # 3 prompts x (16 + 4) + 3 held-out x 4, counted apart from training
     assert probes[0]["rollouts"] == 72
     metrics = read_metrics(probed.run_dir)
