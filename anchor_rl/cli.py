@@ -22,6 +22,7 @@ app = typer.Typer(
 def _root() -> None:
     """RL from verifiable rewards with cheap, accurate advantage baselines."""
 
+
 # Registration: one line per command, grouped by package.
 from anchor_rl.algos import commands as _algos_commands  # noqa: E402
 

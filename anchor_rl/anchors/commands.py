@@ -79,9 +79,9 @@ def _setup(
     from anchor_rl.anchors.presample import presample_key, task_params
     from anchor_rl.models.commands import parse_task_kwargs
     from anchor_rl.models.sft import cache_root
+    from anchor_rl.models.spec import frozen, load_spec
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
-    from anchor_rl.trainer.policy import frozen, load_spec
 
     kwargs = parse_task_kwargs(task_kwargs)
     try:
@@ -264,7 +264,7 @@ def _teacher(
     spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
 ) -> Teacher:
     from anchor_rl.anchors.teachers import HFTeacher, OpenAITeacher, OracleTeacher
-    from anchor_rl.trainer.policy import frozen, load_spec
+    from anchor_rl.models.spec import frozen, load_spec
 
     if spec == "oracle":
         return OracleTeacher(s.task, s.tokenizer, s.model)

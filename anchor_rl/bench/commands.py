@@ -27,7 +27,8 @@ def bench(
     suite: Annotated[
         str,
         typer.Argument(
-            help="A built-in suite name (baselines, v05, baseline-mse, trl, throughput) or a "
+            help="A built-in suite name (baselines, pvpo, pvpo_multihop, v05, vapo, baseline-mse, "
+            "trl, throughput) or a "
             "suite TOML path."
         ),
     ],

@@ -1,4 +1,5 @@
-"""Held-out accuracy curves of a suite: against steps, cumulative rollouts and wall time.
+"""Accuracy curves of a suite against steps, cumulative rollouts and wall time: held-out
+accuracy, and training-prompt accuracy for runs that log it (``eval.train_prompts``).
 
 Each preset/variant is one colour: the mean over seeds as a line (x averaged over seeds
 at each evaluation, since rollouts and seconds differ between seeds) and a band of the
@@ -18,11 +19,18 @@ AXES = {
     "time/elapsed": ("wall time (s)", "accuracy_vs_time.png"),
 }
 Y = "eval/accuracy"
+METRICS = {
+    Y: ("held-out accuracy", ""),
+    "eval/train_accuracy": ("training-prompt accuracy", "train_"),
+}
+"""Metric -> (axis label, file-name prefix)."""
 
 
-def eval_curve(records: Sequence[Mapping[str, float]], x: str) -> list[tuple[float, float]]:
+def eval_curve(
+    records: Sequence[Mapping[str, float]], x: str, y: str = Y
+) -> list[tuple[float, float]]:
     """``(x, accuracy)`` at every evaluation of one run."""
-    return [(float(r[x]), float(r[Y])) for r in records if Y in r and x in r]
+    return [(float(r[x]), float(r[y])) for r in records if y in r and x in r]
 
 
 def mean_curve(
@@ -50,25 +58,30 @@ def plot_suite(
     import matplotlib.pyplot as plt
 
     paths = []
-    for x, (xlabel, filename) in AXES.items():
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for label, seeds in runs.items():
-            curves = [c for c in (eval_curve(records, x) for records in seeds) if c]
-            if not curves:
-                continue
-            xs, ys, lows, highs = mean_curve(curves)
-            (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=f"{label} (n={len(curves)})")
-            if len(curves) > 1:
-                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out accuracy")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(out) / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+    for y, (ylabel, prefix) in METRICS.items():
+        if y != Y and not any(y in r for seeds in runs.values() for recs in seeds for r in recs):
+            continue
+        for x, (xlabel, filename) in AXES.items():
+            fig, ax = plt.subplots(figsize=(6.4, 4.0))
+            for label, seeds in runs.items():
+                curves = [c for c in (eval_curve(records, x, y) for records in seeds) if c]
+                if not curves:
+                    continue
+                xs, ys, lows, highs = mean_curve(curves)
+                (line,) = ax.plot(
+                    xs, ys, marker="o", markersize=3, label=f"{label} (n={len(curves)})"
+                )
+                if len(curves) > 1:
+                    ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = Path(out) / f"{prefix}{filename}"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
     return paths

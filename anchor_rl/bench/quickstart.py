@@ -33,6 +33,7 @@ SETTINGS: tuple[str, ...] = (
     "pvpo.m=8",
     "eval.every=10",
     "eval.prompts=200",
+    "eval.train_prompts=256",
     "checkpoint.every=20",
 )
 """The quickstart run on top of the ``pvpo`` preset."""
@@ -123,6 +124,9 @@ def report_facts(
         "train_s": last["time/elapsed"],
         "total_s": total_s,
         "curve": [(r["step"], r["eval/accuracy"]) for r in evals],
+        "train_curve": [
+            (r["step"], r["eval/train_accuracy"]) for r in evals if "eval/train_accuracy" in r
+        ],
         "reward": [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r],
     }
 
@@ -136,8 +140,11 @@ def write_report(out: Path, facts: Mapping[str, Any]) -> tuple[Path, Path]:
 
     out = Path(out)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    left.plot(*zip(*facts["curve"], strict=True), marker="o")
-    left.set(xlabel="step", ylabel="held-out accuracy", title=f"{facts['task']}: held-out")
+    left.plot(*zip(*facts["curve"], strict=True), marker="o", label="held-out prompts")
+    if facts["train_curve"]:
+        left.plot(*zip(*facts["train_curve"], strict=True), marker="o", label="training prompts")
+        left.legend(fontsize=8)
+    left.set(xlabel="step", ylabel="accuracy (greedy)", title=f"{facts['task']}: accuracy")
     if facts["reward"]:
         right.plot(*zip(*facts["reward"], strict=True))
     right.set(xlabel="step", ylabel="mean reward", title="training rollouts")
@@ -165,6 +172,7 @@ def _markdown(f: Mapping[str, Any]) -> str:
         f"| held-out accuracy before training | {f['accuracy_before']:.3f} |",
         f"| held-out accuracy after training | {f['accuracy_after']:.3f} |",
         f"| held-out prompts (greedy) | {f['eval_prompts']} |",
+        *_train_rows(f),
         f"| training steps | {f['steps']}{stopped} |",
         f"| training prompts after group sampling | {f['training_prompts']} of {f['prompts']} |",
         f"| reference accuracy on the training prompts (presampled) | {f['reference_accuracy']:.3f} |",
@@ -199,6 +207,16 @@ def _markdown(f: Mapping[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _train_rows(f: Mapping[str, Any]) -> list[str]:
+    if not f["train_curve"]:
+        return []
+    (_, before), (_, after) = f["train_curve"][0], f["train_curve"][-1]
+    return [
+        f"| training-prompt accuracy before training (greedy) | {before:.3f} |",
+        f"| training-prompt accuracy after training | {after:.3f} |",
+    ]
 
 
 def quickstart(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import html
+import itertools
 import json
 import os
 import re
@@ -80,40 +81,41 @@ CLAIMS: tuple[Claim, ...] = (
         "multi-hop QA avg acc GRPO 56.8 → PVPO 61.0 (Qwen2.5-7B); math avg acc@32 "
         "38.76 → 41.30 (7B), 43.01 → 45.62 (14B)",
         "final_gain",
-        "pvpo",
-        "grpo",
+        "pvpo+n2",
+        "grpo+n2",
     ),
     Claim(
         "PVPO (2508.21104)",
         "PVPO reaches GRPO's final accuracy in fewer steps",
         "GRPO's 1,000-step math accuracy 0.467 reached at step 538 (0.54×)",
         "steps_to_match",
-        "pvpo",
-        "grpo",
+        "pvpo+n2",
+        "grpo+n2",
     ),
     Claim(
         "PVPO (2508.21104)",
-        "low budget: PVPO with N=2 keeps most of GRPO N=5's accuracy",
-        "55.0% vs 56.8% (97%) at cost 4.3 vs 11.7 (< 40%)",
+        "low budget: PVPO with N=2 keeps most of GRPO's accuracy at a fraction of the rollouts",
+        "N=2 vs N=5: 55.0% vs 56.8% (97%) at cost 4.3 vs 11.7 (< 40%); ours: N=2 vs N=8",
         "final_gain",
         "pvpo+n2",
-        "grpo+n5",
+        "grpo+n8",
     ),
     Claim(
         "V0.5 (2603.10848)",
         "V0.5 beats GRPO by over 10%",
-        "AIME24 ~24 → ~35, MATH500 ~80 → ~88 (Qwen3-4B, group size 16; read off plots)",
+        "AIME24 ~24 → ~35, MATH500 ~80 → ~88 (Qwen3-4B, V0.5 at group size 4 vs GRPO at 16; "
+        "read off plots)",
         "final_gain",
-        "v05",
-        "grpo",
+        "v05+k4",
+        "grpo+k16",
     ),
     Claim(
         "V0.5 (2603.10848)",
         "V0.5 beats DAPO",
-        "AIME24 ~25 → ~35, MATH500 ~81 → ~88 (read off plots)",
+        "AIME24 ~25 → ~35, MATH500 ~81 → ~88 (V0.5 at 4 vs DAPO at 16; read off plots)",
         "final_gain",
-        "v05",
-        "dapo",
+        "v05+k4",
+        "dapo+k16",
     ),
     Claim(
         "V0.5 (2603.10848)",
@@ -276,10 +278,15 @@ def measure_claim(claim: Claim, results: Results) -> list[str]:
 
 
 def _final_gain(method: Method, baseline: Method) -> str | None:
-    a, b = method.figures.get("eval_final"), baseline.figures.get("eval_final")
-    if a is None or b is None:
-        return None
-    return f"{_fmt(b)} → {_fmt(a)} ({a['mean'] - b['mean']:+.3f})"
+    parts = []
+    for key, what in (("eval_final", "held-out"), ("train_final", "training prompts")):
+        a, b = method.figures.get(key), baseline.figures.get(key)
+        if a is not None and b is not None:
+            parts.append(f"{what} {_fmt(b)} → {_fmt(a)} ({a['mean'] - b['mean']:+.3f})")
+    ra, rb = method.figures.get("rollouts"), baseline.figures.get("rollouts")
+    if parts and ra is not None and rb is not None and rb["mean"] > 0:
+        parts.append(f"rollouts {ra['mean'] / rb['mean']:.2f}×")
+    return "; ".join(parts) or None
 
 
 def _steps_to_match(method: Method, baseline: Method) -> str | None:
@@ -418,7 +425,7 @@ def _claims_table(results: Results) -> tuple[list[str], list[list[str]]]:
 
 
 def _accuracy_section(results: Results, out: Path) -> list[Block]:
-    blocks: list[Block] = [("h2", "Held-out accuracy")]
+    blocks: list[Block] = [("h2", "Accuracy")]
     if not results.methods:
         return [*blocks, ("p", "No bench suite results among the inputs.")]
     tasks = list(dict.fromkeys(m.task for m in results.methods))
@@ -426,18 +433,24 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
         methods = [m for m in results.methods if m.task == task]
         suffix = "" if len(tasks) == 1 else f"_{_slug(task)}"
         blocks.append(("h3", f"Task `{task}`"))
-        for x, xlabel, stem in (
-            ("rollouts/cumulative", "rollouts (cumulative)", "accuracy_vs_rollouts"),
-            ("time/elapsed", "wall time (s)", "accuracy_vs_time"),
+        for (x, xlabel, stem), (y, ylabel, prefix) in itertools.product(
+            (
+                (
+                    "rollouts/total",
+                    "rollouts (cumulative, presampling included)",
+                    "accuracy_vs_rollouts",
+                ),
+                ("time/elapsed", "wall time (s)", "accuracy_vs_time"),
+            ),
+            (
+                ("eval/accuracy", "held-out accuracy", ""),
+                ("eval/train_accuracy", "training-prompt accuracy", "train_"),
+            ),
         ):
-            path = out / f"{stem}{suffix}.png"
-            series = {
-                m.name: [_metric_curve(r, x, "eval/accuracy") for r in m.records] for m in methods
-            }
-            if plot_curves(
-                series, xlabel, "held-out accuracy", f"{task}: accuracy vs {xlabel}", path
-            ):
-                blocks.append(("img", (path.name, f"{task}: held-out accuracy against {xlabel}")))
+            path = out / f"{prefix}{stem}{suffix}.png"
+            series = {m.name: [_metric_curve(r, x, y) for r in m.records] for m in methods}
+            if plot_curves(series, xlabel, ylabel, f"{task}: {ylabel} vs {xlabel}", path):
+                blocks.append(("img", (path.name, f"{task}: {ylabel} against {xlabel}")))
         blocks.append(("table", _methods_table(methods)))
     blocks.append(
         (
@@ -450,7 +463,9 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
 
 
 def _methods_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]]]:
-    keys = ("eval_start", "eval_final", "rollouts", "wall_s")
+    train = any("train_final" in m.figures for m in methods)
+    keys = ("eval_start", "eval_final", *(("train_start", "train_final") if train else ()))
+    keys += ("rollouts", "wall_s")
     rows = []
     for m in methods:
         cells = []
@@ -459,7 +474,10 @@ def _methods_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]
             digits = 0 if key == "rollouts" else 1 if key == "wall_s" else 3
             cells.append("–" if f is None else _fmt(f, digits))
         rows.append([m.name, m.suite, str(len(m.seeds)), *cells])
-    header = ["run", "suite", "seeds", "accuracy before", "accuracy after", "rollouts", "wall s"]
+    header = ["run", "suite", "seeds", "held-out before", "held-out after"]
+    if train:
+        header += ["training prompts before", "training prompts after"]
+    header += ["rollouts", "wall s"]
     return header, rows
 
 
@@ -522,12 +540,24 @@ def _mse_section(results: Results, out: Path) -> list[Block]:
             ),
             ("table", (header, rows)),
         ]
-        source = root / "mse_vs_rollouts_pm1_worst.png"
-        if source.is_file():
-            name = f"baseline_mse_vs_rollouts{'' if i == 0 else f'_{i}'}.png"
-            shutil.copyfile(source, out / name)
-            blocks.append(("img", (name, "baseline MSE against rollouts per prompt")))
+        blocks += _copied_plot(
+            root / "mse_vs_rollouts_pm1_worst.png",
+            out,
+            "baseline_mse_vs_rollouts",
+            i,
+            "baseline MSE against rollouts per prompt",
+        )
     return blocks
+
+
+def _copied_plot(source: Path, out: Path, stem: str, i: int, alt: str) -> list[Block]:
+    """Copy a suite's PNG into the report as ``stem.png`` (``stem_i.png`` for the i-th result
+    of a kind); no block when the suite did not write it."""
+    if not source.is_file():
+        return []
+    name = f"{stem}{'' if i == 0 else f'_{i}'}.png"
+    shutil.copyfile(source, out / name)
+    return [("img", (name, alt))]
 
 
 def _trl_section(results: Results, out: Path) -> list[Block]:
@@ -574,11 +604,13 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
                 ),
             )
         )
-        source = root / "reward_vs_step.png"
-        if source.is_file():
-            name = f"trl_reward_vs_step{'' if i == 0 else f'_{i}'}.png"
-            shutil.copyfile(source, out / name)
-            blocks.append(("img", (name, "training reward per step, anchor-rl and TRL")))
+        blocks += _copied_plot(
+            root / "reward_vs_step.png",
+            out,
+            "trl_reward_vs_step",
+            i,
+            "training reward per step, anchor-rl and TRL",
+        )
     return blocks
 
 
@@ -617,11 +649,13 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
                 ]
             )
         blocks.append(("table", (header, rows)))
-        source = root / "stage_time.png"
-        if source.is_file():
-            name = f"throughput_stage_time{'' if i == 0 else f'_{i}'}.png"
-            shutil.copyfile(source, out / name)
-            blocks.append(("img", (name, "seconds per step by stage and model size")))
+        blocks += _copied_plot(
+            root / "stage_time.png",
+            out,
+            "throughput_stage_time",
+            i,
+            "seconds per step by stage and model size",
+        )
     return blocks
 
 

@@ -20,6 +20,7 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
 
     runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
     target_accuracy = 0.5               # optional: report wall time and rollouts to reach it
+    target_metric = "eval/train_accuracy"  # optional: the metric it applies to (default eval/accuracy)
 
 Settings apply in this order: preset, ``base``, the profile, the variant, ``seed``, the
 command line (``--steps``, ``key=value``). Every run's config is validated before the first
@@ -31,10 +32,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,9 @@ from anchor_rl.trainer.config import (
     TrainConfig,
     apply_overrides,
     build_config,
+    builtin_names,
     parse_override,
+    read_builtin_toml,
     read_preset,
 )
 
@@ -56,6 +57,7 @@ SUITE_KEYS = {
     "profiles",
     "runs",
     "target_accuracy",
+    "target_metric",
 }
 
 
@@ -73,7 +75,9 @@ class Suite:
     runs: list[str] = field(default_factory=list)
     """Labels (``preset`` or ``preset+variant``) of the cells to run; empty: every cell."""
     target_accuracy: float | None = None
-    """Held-out accuracy whose first crossing the summary times (``target_*`` figures)."""
+    """Accuracy whose first crossing the summary times (``target_*`` figures)."""
+    target_metric: str = "eval/accuracy"
+    """The metric ``target_accuracy`` applies to (``eval/train_accuracy``: training prompts)."""
 
 
 @dataclass(frozen=True)
@@ -88,27 +92,12 @@ class RunSpec:
 
 def suite_names() -> list[str]:
     """Names of the built-in suites."""
-    files = resources.files("anchor_rl.bench") / "suites"
-    return sorted(p.name.removesuffix(".toml") for p in files.iterdir() if p.name.endswith(".toml"))
+    return builtin_names("anchor_rl.bench", "suites")
 
 
 def load_suite(name_or_path: str) -> Suite:
     """A built-in suite by name or a suite TOML file by path."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" and path.is_file():
-        text, name = path.read_text(), path.stem
-    else:
-        file = resources.files("anchor_rl.bench") / "suites" / f"{name_or_path}.toml"
-        if not file.is_file():
-            raise ConfigError(
-                f"unknown suite {name_or_path!r}; built-in suites: {', '.join(suite_names())} "
-                "(or pass a path to a .toml file)"
-            )
-        text, name = file.read_text(), name_or_path
-    try:
-        table = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"suite {name_or_path!r} is not valid TOML: {e}") from e
+    table, name = read_builtin_toml("suite", "anchor_rl.bench", "suites", name_or_path)
     unknown = set(table) - SUITE_KEYS
     if unknown:
         raise ConfigError(
@@ -126,6 +115,7 @@ def load_suite(name_or_path: str) -> Suite:
         profiles=table.get("profiles", {}),
         runs=list(table.get("runs", [])),
         target_accuracy=table.get("target_accuracy"),
+        target_metric=table.get("target_metric", "eval/accuracy"),
     )
 
 
@@ -244,14 +234,18 @@ def run_suite(
     for i, spec in enumerate(specs, 1):
         echo(f"[{i}/{len(specs)}] {spec.label} seed {spec.seed} -> {spec.run_dir}")
         run_spec(spec)
-    return report(suite.name, specs, Path(out), suite.target_accuracy)
+    return report(suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric)
 
 
 def report(
-    name: str, specs: Sequence[RunSpec], out: Path, target: float | None = None
+    name: str,
+    specs: Sequence[RunSpec],
+    out: Path,
+    target: float | None = None,
+    metric: str = "eval/accuracy",
 ) -> dict[str, Any]:
     """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
-    held-out accuracy whose first crossing is timed)."""
+    value of ``metric`` whose first crossing is timed)."""
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import run_figures, summarise, write_summary
     from anchor_rl.trainer.logging import read_metrics
@@ -262,7 +256,7 @@ def report(
             "label": spec.label,
             "seed": spec.seed,
             "dir": str(spec.run_dir),
-            "figures": run_figures(records[spec.run_dir], target),
+            "figures": run_figures(records[spec.run_dir], target, metric),
         }
         for spec in specs
     ]

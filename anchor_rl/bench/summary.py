@@ -17,6 +17,8 @@ FIGURES: dict[str, str] = {
     "eval_start": "held-out accuracy before training (step 0)",
     "eval_final": "held-out accuracy at the last evaluation",
     "eval_best": "best held-out accuracy over the evaluations",
+    "train_start": "training-prompt accuracy before training (runs with eval.train_prompts)",
+    "train_final": "training-prompt accuracy at the last evaluation",
     "reward_last": "mean training reward over the last fifth of the steps",
     "rollouts": "responses generated (filtered ones included), PVPO's presampling and refresh included",
     "tokens": "policy tokens generated",
@@ -24,10 +26,12 @@ FIGURES: dict[str, str] = {
     "generate_s": "mean seconds per step generating",
     "score_s": "mean seconds per step scoring",
     "update_s": "mean seconds per step in log-probs, advantage and update",
-    "target_reached": "share of seeds whose held-out accuracy reached the suite's target_accuracy",
+    "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy",
     "target_wall_s": "wall-clock seconds to the first evaluation at or above the target (seeds that reached it)",
     "target_rollouts": "rollouts (as `rollouts`) to that evaluation",
 }
+TRAIN = ("train_start", "train_final")
+"""Figures of runs that evaluate training prompts; shown in the table only then."""
 TARGET = ("target_reached", "target_wall_s", "target_rollouts")
 """Figures of a suite with ``target_accuracy``; shown in the table only then."""
 TABLE = (
@@ -42,14 +46,16 @@ TABLE = (
 )
 
 
-def time_to_accuracy(records: Sequence[Mapping[str, float]], target: float) -> dict[str, float]:
-    """Wall time and rollouts at the first evaluation with accuracy >= ``target``.
+def time_to_accuracy(
+    records: Sequence[Mapping[str, float]], target: float, metric: str = "eval/accuracy"
+) -> dict[str, float]:
+    """Wall time and rollouts at the first evaluation with ``metric`` >= ``target``.
 
     ``{"target_reached": 1.0, "target_wall_s": ..., "target_rollouts": ...}``, or only
     ``{"target_reached": 0.0}`` when no evaluation reached it.
     """
     for r in records:
-        if r.get("eval/accuracy", -1.0) >= target:
+        if r.get(metric, -1.0) >= target:
             rollouts = r.get("rollouts/total", r["rollouts/cumulative"])
             return {
                 "target_reached": 1.0,
@@ -60,10 +66,12 @@ def time_to_accuracy(records: Sequence[Mapping[str, float]], target: float) -> d
 
 
 def run_figures(
-    records: Sequence[Mapping[str, float]], target: float | None = None
+    records: Sequence[Mapping[str, float]],
+    target: float | None = None,
+    metric: str = "eval/accuracy",
 ) -> dict[str, float]:
     """The figures of one run (keys of ``FIGURES``; eval ones only if the run evaluated, the
-    ``target_*`` ones only for a ``target`` accuracy)."""
+    ``target_*`` ones only for a ``target`` value of ``metric``)."""
     steps = [r for r in records if r["step"] > 0]
     if not steps:
         raise ValueError("the run has no training step in its metrics")
@@ -84,8 +92,13 @@ def run_figures(
             out["eval_start"] = evals[0]["eval/accuracy"]
         out["eval_final"] = evals[-1]["eval/accuracy"]
         out["eval_best"] = max(r["eval/accuracy"] for r in evals)
+    train = [r for r in records if "eval/train_accuracy" in r]
+    if train:
+        if train[0]["step"] == 0:
+            out["train_start"] = train[0]["eval/train_accuracy"]
+        out["train_final"] = train[-1]["eval/train_accuracy"]
     if target is not None:
-        out |= time_to_accuracy(records, target)
+        out |= time_to_accuracy(records, target, metric)
     return out
 
 
@@ -125,7 +138,8 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
         "Mean ± half-width of the 95% Student-t interval over seeds (no interval with one seed).",
         "",
     ]
-    columns = (*TABLE, *(k for k in TARGET if any(k in g["figures"] for g in groups)))
+    optional = (*TRAIN, *TARGET)
+    columns = (*TABLE, *(k for k in optional if any(k in g["figures"] for g in groups)))
     lines += [
         "| run | seeds | " + " | ".join(columns) + " |",
         "| --- | --- | " + " | ".join("---:" for _ in columns) + " |",

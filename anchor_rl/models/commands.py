@@ -22,18 +22,16 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def parse_task_kwargs(text: str | None) -> dict[str, Any]:
+def parse_task_kwargs(text: str | None, hint: str = "--task-kwargs") -> dict[str, Any]:
     """A JSON object of task constructor kwargs; ``typer.BadParameter`` if it is not one."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="--task-kwargs") from exc
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=hint) from exc
     if not isinstance(value, dict):
-        raise typer.BadParameter(
-            "must be a JSON object like '{\"key\": 1}'", param_hint="--task-kwargs"
-        )
+        raise typer.BadParameter("must be a JSON object like '{\"key\": 1}'", param_hint=hint)
     return value
 
 
@@ -57,6 +55,13 @@ def sft(
     task_kwargs: Annotated[
         str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
     ] = None,
+    data_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            help="Kwargs layered on --task-kwargs for the SFT data only, as a JSON object "
+            '(the curriculum). Default: the task\'s tuned value (multihop: {"hops": [2, 3]}).'
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(help="Model directory. Default: $ANCHOR_RL_CACHE/sft/<config hash>."),
@@ -78,15 +83,19 @@ def sft(
             f"unknown size {size!r}; choose one of {', '.join(SIZES)}", param_hint="--size"
         )
     kwargs = parse_task_kwargs(task_kwargs)
+    data = None if data_kwargs is None else parse_task_kwargs(data_kwargs, "--data-kwargs")
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
     cfg = default_config(
-        task, size, steps=steps, lr=lr, batch_size=batch_size, seed=seed, task_kwargs=kwargs
-    )
+        task, size, steps=steps, lr=lr, batch_size=batch_size, seed=seed, task_kwargs=kwargs,
+        data_kwargs=data,
+    )  # fmt: skip
     cached = is_complete(sft_dir(cfg, out), cfg)
     source = "tuned for this task" if task in TASK_DEFAULTS else "generic defaults"
     typer.echo(
-        f"SFT {task}/{size}: steps={cfg.steps} lr={cfg.lr} batch_size={cfg.batch_size} ({source})"
+        f"SFT {task}/{size}: steps={cfg.steps} lr={cfg.lr} batch_size={cfg.batch_size}"
+        + (f" data_kwargs={json.dumps(cfg.data_kwargs)}" if cfg.data_kwargs else "")
+        + f" ({source})"
     )
     path = train_sft(
         task,
@@ -96,6 +105,7 @@ def sft(
         batch_size=batch_size,
         seed=seed,
         task_kwargs=kwargs,
+        data_kwargs=data,
         out=out,
     )
     typer.echo(

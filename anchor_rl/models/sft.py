@@ -30,9 +30,13 @@ from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
 if TYPE_CHECKING:
     from anchor_rl.tasks.base import Record, Task
 
-SFT_VERSION = 2  # bump whenever a code change alters what a given config trains
+SFT_VERSION = 3  # bump whenever a code change alters what a given config trains
 GENERIC_DEFAULTS: dict[str, Any] = {"steps": 400, "lr": 3e-3, "batch_size": 32}
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {}
+# Calibrated in docs/testbed.md (tiny reference, 8 samples at T=1 on the training prompts).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "arithmetic": {"steps": 2000, "lr": 3e-3, "batch_size": 32},
+    "multihop": {"steps": 400, "lr": 3e-3, "batch_size": 32, "data_kwargs": {"hops": [2, 3]}},
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class SFTConfig:
     """Everything that determines an SFT run (and so its cache key).
 
     task, task_kwargs: the task name and constructor kwargs for ``get_task``.
+    data_kwargs: kwargs layered on ``task_kwargs`` for the SFT data only (the reference's
+    curriculum: multihop's default trains on 2- and 3-hop traces, so 4-hop questions lie
+    beyond the reference; docs/testbed.md).
     size: a key of ``SIZES``. steps, batch_size: optimiser steps and sequences per step.
     lr: peak AdamW learning rate (linear warmup over ``warmup`` steps, cosine decay to
     ``lr / 10``). seed: model initialisation and data order.
@@ -55,6 +62,7 @@ class SFTConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     task_kwargs: dict[str, Any] = field(default_factory=dict)
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -73,7 +81,8 @@ def default_config(task: str, size: str = "tiny", **overrides: Any) -> SFTConfig
     """The config for ``task`` with its tuned defaults; ``None`` overrides are ignored."""
     values = {**GENERIC_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    values["task_kwargs"] = dict(values.get("task_kwargs") or {})  # None and {} hash alike
+    for name in ("task_kwargs", "data_kwargs"):
+        values[name] = dict(values.get(name) or {})  # None and {} hash alike
     return SFTConfig(task=task, size=size, **values)
 
 
@@ -197,7 +206,7 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
 
     from anchor_rl.tasks import get_task
 
-    task = get_task(cfg.task, **cfg.task_kwargs)
+    task = get_task(cfg.task, **{**cfg.task_kwargs, **cfg.data_kwargs})
     tokenizer = build_tokenizer()
     records = task.records("train")
     if not records:
@@ -250,6 +259,7 @@ def train_sft(
     batch_size: int | None = None,
     seed: int = 0,
     task_kwargs: dict[str, Any] | None = None,
+    data_kwargs: dict[str, Any] | None = None,
     out: str | Path | None = None,
     progress: bool = True,
 ) -> Path:
@@ -268,6 +278,7 @@ def train_sft(
         batch_size=batch_size,
         seed=seed,
         task_kwargs=task_kwargs,
+        data_kwargs=data_kwargs,
     )
     path = sft_dir(cfg, out)
     if is_complete(path, cfg):

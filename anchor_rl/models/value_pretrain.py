@@ -71,6 +71,7 @@ def pretrain_value(
     micro_batch: int | None = None,
     max_grad_norm: float | None = 1.0,
     weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
     ev_threshold: float | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -107,7 +108,7 @@ def pretrain_value(
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     params = [p for p in critic.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     device = critic.device
     history: dict[str, Any] = {
@@ -250,6 +251,7 @@ def pretrain_value_cached(
     micro_batch: int | None = None,
     max_grad_norm: float | None = 1.0,
     weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
     ev_threshold: float | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -258,7 +260,7 @@ def pretrain_value_cached(
 
     The cache entry is ``cache_dir/value-<hash>`` with the hash of ``key_dict`` and every
     setting that changes the result (``steps``, ``lr``, ``value_clip``, ``mini_batch``,
-    ``max_grad_norm``, ``weight_decay``, ``ev_threshold``, ``seed``; not ``micro_batch``,
+    ``max_grad_norm``, ``weight_decay``, ``betas``, ``ev_threshold``, ``seed``; not ``micro_batch``,
     ``device`` or ``progress``). ``key_dict`` must identify everything else the result
     depends on: the reference policy checkpoint, the critic's initialisation and mode, the
     task and prompts, sampling parameters and seeds. On a hit nothing is built, sampled or
@@ -275,6 +277,7 @@ def pretrain_value_cached(
         "mini_batch": mini_batch,
         "max_grad_norm": max_grad_norm,
         "weight_decay": weight_decay,
+        "betas": list(betas),
         "ev_threshold": ev_threshold,
         "seed": seed,
     }
@@ -297,6 +300,7 @@ def pretrain_value_cached(
         micro_batch=micro_batch,
         max_grad_norm=max_grad_norm,
         weight_decay=weight_decay,
+        betas=betas,
         ev_threshold=ev_threshold,
         seed=seed,
         progress=progress,

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from anchor_rl.models.loading import save_policy
+from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.trainer.critic import CRITIC_DIR, CriticState
-from anchor_rl.trainer.policy import quiet_transformers
 
 if TYPE_CHECKING:
     from anchor_rl.trainer.v05 import V05State

@@ -169,6 +169,11 @@ class EvalConfig(_Section):
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
+    train_prompts: int = Field(0, ge=0)
+    """Also evaluate the first this many training prompts (at most ``train_prompts``: the
+    ones the run draws from), logged as eval/train_accuracy; 0 skips it. The built-in tiny reference solves its
+    training prompts far more often than held-out ones (docs/testbed.md), so RL's gains
+    show there first."""
 
 
 class CheckpointConfig(_Section):
@@ -253,29 +258,42 @@ class TrainConfig(_Section):
 # --- presets and overrides -------------------------------------------------------------
 
 
-def preset_names() -> list[str]:
-    """Names of the built-in presets."""
-    files = resources.files("anchor_rl.trainer") / "presets"
+def builtin_names(package: str, folder: str) -> list[str]:
+    """Names of the built-in TOML files in ``package``/``folder`` (presets, suites)."""
+    files = resources.files(package) / folder
     return sorted(p.name.removesuffix(".toml") for p in files.iterdir() if p.name.endswith(".toml"))
 
 
-def read_preset(name_or_path: str) -> dict[str, Any]:
-    """The raw table of a built-in preset name or a TOML file path, with `preset` set."""
+def read_builtin_toml(
+    kind: str, package: str, folder: str, name_or_path: str
+) -> tuple[dict[str, Any], str]:
+    """``(table, name)`` of a built-in ``kind`` (``preset``, ``suite``) by name, or of a TOML
+    file by path; ConfigError naming the built-in ones or the TOML error."""
     path = Path(name_or_path)
     if path.suffix == ".toml" and path.is_file():
         text, name = path.read_text(), path.stem
     else:
-        file = resources.files("anchor_rl.trainer") / "presets" / f"{name_or_path}.toml"
+        file = resources.files(package) / folder / f"{name_or_path}.toml"
         if not file.is_file():
             raise ConfigError(
-                f"unknown preset {name_or_path!r}; built-in presets: {', '.join(preset_names())} "
-                "(or pass a path to a .toml file)"
+                f"unknown {kind} {name_or_path!r}; built-in {kind}s: "
+                f"{', '.join(builtin_names(package, folder))} (or pass a path to a .toml file)"
             )
         text, name = file.read_text(), name_or_path
     try:
-        table = tomllib.loads(text)
+        return tomllib.loads(text), name
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"preset {name_or_path!r} is not valid TOML: {e}") from e
+        raise ConfigError(f"{kind} {name_or_path!r} is not valid TOML: {e}") from e
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in presets."""
+    return builtin_names("anchor_rl.trainer", "presets")
+
+
+def read_preset(name_or_path: str) -> dict[str, Any]:
+    """The raw table of a built-in preset name or a TOML file path, with `preset` set."""
+    table, name = read_builtin_toml("preset", "anchor_rl.trainer", "presets", name_or_path)
     table.setdefault("preset", name)
     return table
 

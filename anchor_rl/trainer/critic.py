@@ -46,12 +46,12 @@ from anchor_rl.algos.losses import kl, value_loss
 from anchor_rl.models.critic import CONFIG_FILE as CRITIC_CONFIG_FILE
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.sft import cache_root
+from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
 from anchor_rl.models.value_pretrain import pretrain_value_cached
 from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.policy import quiet_transformers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -188,6 +188,7 @@ def pretrain_critic(
         micro_batch=oc.micro_batch_size,
         max_grad_norm=oc.grad_clip,
         weight_decay=oc.weight_decay,
+        betas=oc.betas,
         ev_threshold=cc.pretrain_ev_threshold,
         seed=cfg.seed,
         progress=cfg.log.progress,

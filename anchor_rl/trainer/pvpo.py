@@ -57,13 +57,13 @@ from anchor_rl.anchors.teachers import (
     teacher_key,
 )
 from anchor_rl.models.sft import cache_root
+from anchor_rl.models.spec import frozen, load_spec
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.types import RolloutBatch, SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.checkpoint import TrainState
 from anchor_rl.trainer.collect import Scored, sampling_params, score
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.policy import frozen, load_spec
 from anchor_rl.trainer.pvpo_config import PVPOConfig
 
 PRESAMPLE_SEED = 0

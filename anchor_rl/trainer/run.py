@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.models.loading import load_policy
+from anchor_rl.models.spec import frozen, load_spec, quiet_transformers
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
@@ -31,7 +32,6 @@ from anchor_rl.trainer import checkpoint
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import CriticState, load_critic, start_critic
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.policy import frozen, load_spec, quiet_transformers
 from anchor_rl.trainer.pvpo import PVPO, setup_pvpo, uses_pvpo
 from anchor_rl.trainer.v05 import V05State, build_v05
 
@@ -146,7 +146,8 @@ def evaluate_model(
     cfg: TrainConfig,
     step: int,
 ) -> dict[str, float]:
-    """Held-out metrics (``eval/*``) of ``model`` on the task's test split, per ``cfg.eval``.
+    """Held-out metrics (``eval/*``) of ``model`` on the task's test split, per ``cfg.eval``
+    (and ``eval/train_accuracy`` on the first ``eval.train_prompts`` training prompts).
 
     Sampling (when ``eval.temperature > 0``) draws from its own generator seeded by
     ``(seed, step)``, so evaluating never shifts the training run's random stream.
@@ -167,6 +168,11 @@ def evaluate_model(
     }
     if ec.k > 1:
         metrics[f"eval/pass@{ec.k}"] = result[f"pass@{ec.k}"]
+    if ec.train_prompts:
+        limit = min(ec.train_prompts, cfg.train_prompts or ec.train_prompts)
+        train = evaluate(model, tokenizer, task, "train", k=ec.k, params=params,
+                         limit=limit, generator=generator)  # fmt: skip
+        metrics["eval/train_accuracy"] = train[f"avg@{ec.k}"]
     return metrics
 
 

@@ -39,13 +39,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos import v05 as v05_math
 from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
+from anchor_rl.models.spec import frozen, load_spec
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.checkpoint import TrainState
 from anchor_rl.trainer.collect import Scored, collect_metrics, sampling_params, score
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.policy import frozen, load_spec
 from anchor_rl.trainer.pvpo import PVPO, setup_pvpo
 from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.v05_config import V05Config

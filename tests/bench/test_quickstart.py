@@ -43,6 +43,8 @@ def test_quickstart_runs_end_to_end_and_reports(tmp_path, monkeypatch) -> None:
     before, after = records[0]["eval/accuracy"], records[-1]["eval/accuracy"]
     assert f"| held-out accuracy before training | {before:.3f} |" in report
     assert f"| held-out accuracy after training | {after:.3f} |" in report
+    train_after = records[-1]["eval/train_accuracy"]  # on the run's 4 training prompts
+    assert f"| training-prompt accuracy after training | {train_after:.3f} |" in report
     # 4 prompts x M = 2 presampled, 2 steps x 2 prompts x N = 2 trained
     assert "| rollouts: presampling | 8 |" in report and "| rollouts: total | 16 |" in report
     assert "## Group sampling" in report and "paper: MuSiQue (M=5)" in report

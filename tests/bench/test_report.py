@@ -20,16 +20,19 @@ from anchor_rl.cli import app
 ACCURACY = {
     "grpo": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
     "dapo": ([0.2, 0.5, 0.6], [0.2, 0.5, 0.8]),  # final mean 0.7
-    "pvpo": ([0.2, 0.65, 0.7], [0.2, 0.65, 0.7]),  # passes 0.6 at step 2
+    "grpo+n2": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
+    "pvpo+n2": ([0.2, 0.65, 0.7], [0.2, 0.65, 0.7]),  # passes 0.6 at step 2
 }
 
 
 def _records(accuracy: list[float]) -> list[dict[str, float]]:
-    records = [{"step": 0, "eval/accuracy": accuracy[0], "rollouts/cumulative": 0.0,
-                "tokens/cumulative": 0.0, "time/elapsed": 1.0}]  # fmt: skip
+    records = [{"step": 0, "eval/accuracy": accuracy[0], "eval/train_accuracy": accuracy[0] + 0.1,
+                "rollouts/cumulative": 0.0, "rollouts/total": 0.0, "tokens/cumulative": 0.0,
+                "time/elapsed": 1.0}]  # fmt: skip
     for step in range(1, 5):
         record = {
             "step": step, "reward/mean": 0.1 * step, "rollouts/cumulative": 64.0 * step,
+            "rollouts/total": 64.0 * step,
             "tokens/cumulative": 2000.0 * step, "time/elapsed": 1.0 + 2 * step,
             "time/generate": 1.0, "time/score": 0.1, "time/update": 0.8, "time/step": 2.0,
             "advantage/std": 0.9 - 0.1 * step, "policy/entropy": 1.5 - 0.1 * step,
@@ -37,6 +40,7 @@ def _records(accuracy: list[float]) -> list[dict[str, float]]:
         }  # fmt: skip
         if step % 2 == 0:
             record["eval/accuracy"] = accuracy[step // 2]
+            record["eval/train_accuracy"] = accuracy[step // 2] + 0.1
         records.append(record)
     return records
 
@@ -129,15 +133,18 @@ def bench(tmp_path):
 
 def test_claims_measured_by_hand(bench) -> None:
     results = load_results([bench])
-    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "pvpo"]
+    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "grpo+n2", "pvpo+n2"]
     assert len(results.sources) == 4  # the run-level summary.json files are not suites
     by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
     (dapo,) = measure_claim(by[("final_gain", "dapo", "grpo")], results)
-    assert dapo.startswith("0.600 ± 1.271 → 0.700 ± 1.271 (+0.100)")  # t(0.975, 1) = 12.706
+    assert dapo.startswith(  # t(0.975, 1) = 12.706
+        "held-out 0.600 ± 1.271 → 0.700 ± 1.271 (+0.100); "
+        "training prompts 0.700 ± 1.271 → 0.800 ± 1.271 (+0.100); rollouts 1.00×"
+    )
     assert "suite `synthetic`" in dapo and "2 seed(s)" in dapo
-    (speed,) = measure_claim(by[("steps_to_match", "pvpo", "grpo")], results)
+    (speed,) = measure_claim(by[("steps_to_match", "pvpo+n2", "grpo+n2")], results)
     assert speed.startswith("target 0.600 reached at step 2 of 4 (0.50×)")
-    assert measure_claim(by[("final_gain", "v05", "grpo")], results) == []
+    assert measure_claim(by[("final_gain", "v05+k4", "grpo+k16")], results) == []
     (mse,) = measure_claim(by[("mse", "v05_k4", "group_mean_k4")], results)
     assert mse.startswith("group_mean_k4: MSE 0.250/0.250, rollouts 4; v05_k4: MSE 0.050/0.150")
 
@@ -148,17 +155,19 @@ def test_report_files_and_offline_html(bench, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     md = (out / "report.md").read_text()
     page = (out / "report.html").read_text()
-    for png in ("accuracy_vs_rollouts", "accuracy_vs_time", "advantage_std", "entropy", "kl",
+    for png in ("accuracy_vs_rollouts", "accuracy_vs_time", "train_accuracy_vs_rollouts",
+                "train_accuracy_vs_time", "advantage_std", "entropy", "kl",
                 "baseline_mse_vs_rollouts", "trl_reward_vs_step"):  # fmt: skip
         assert (out / f"{png}.png").stat().st_size > 0
         assert f"]({png}.png)" in md
-    assert "not measured" in md and "| `v05` vs `grpo` |" in md
-    assert "| dapo | synthetic | 2 | 0.200 ± 0.000 | 0.700 ± 1.271 | 256 ± 0 |" in md
+    assert "not measured" in md and "| `v05+k4` vs `grpo+k16` |" in md
+    row = "| dapo | synthetic | 2 | 0.200 ± 0.000 | 0.700 ± 1.271 | 0.300 ± 0.000 | 0.800 ± 1.271 |"
+    assert f"{row} 256 ± 0 |" in md
     assert "| tiny | 1.1M | 100 | 400 | 2.00 | 50.0% | 25.0% | 12.5% | 12.5% |" in md
     assert "| seconds per step (mean over steps) | 2.00 | 3.00 | 1.50× |" in md
     # Offline: every image is a data URI, nothing is fetched from anywhere.
     sources = re.findall(r'src="([^"]*)"', page)
-    assert len(sources) == md.count("![") == 7
+    assert len(sources) == md.count("![") == 9
     assert all(s.startswith("data:image/png;base64,") for s in sources)
     assert "http://" not in page and "https://" not in page
     assert "<script" not in page and "<link" not in page and "@import" not in page

@@ -120,3 +120,20 @@ def test_out_dir_holding_something_else_is_refused(copy_task, tmp_path):
     (tmp_path / "busy" / "file.txt").write_text("x")
     with pytest.raises(FileExistsError, match="does not hold this SFT config"):
         sft.train_sft("copy", "tiny", steps=1, out=tmp_path / "busy", progress=False)
+
+
+def test_data_kwargs_shape_the_sft_data_only(tmp_path, monkeypatch):
+    seen = []
+
+    def get_task(name, **kwargs):
+        seen.append(kwargs)
+        return CopyTask()
+
+    monkeypatch.setattr(anchor_rl.tasks, "get_task", get_task, raising=False)
+    cfg = sft.default_config("copy", task_kwargs={"hops": [2, 3, 4], "seed": 1},
+                             data_kwargs={"hops": [2, 3]}, steps=1, batch_size=2)  # fmt: skip
+    assert cfg.key() != sft.default_config("copy", task_kwargs=cfg.task_kwargs, steps=1).key()
+    sft.run_sft(cfg, tmp_path / "m", progress=False)
+    assert seen == [{"hops": [2, 3], "seed": 1}]  # layered on task_kwargs
+    assert sft.default_config("multihop").data_kwargs == {"hops": [2, 3]}
+    assert sft.default_config("multihop", data_kwargs={}).data_kwargs == {}

@@ -41,7 +41,10 @@ def test_traces_are_correct_for_every_record(task):
 def test_levels_mix_and_difficulty(task):
     records = task.records("train")
     levels = {(r.meta["operands"], r.meta["digits"]) for r in records}
-    assert levels == {(n, d) for n in (2, 3, 4, 5) for d in (1, 2, 3)}
+    assert levels == {(n, d) for n in (2, 3, 4) for d in (1, 2)}  # the calibrated default
+    every = [(n, d) for n in (2, 3, 4, 5) for d in (1, 2, 3)]
+    harder = ArithmeticTask(n_train=600, n_test=100, seed=3, levels=every).records("train")
+    assert {(r.meta["operands"], r.meta["digits"]) for r in harder} == set(every)
     for r in records:
         assert r.meta["difficulty"] == (r.meta["operands"] - 1) * r.meta["digits"]
     assert difficulty((2, 1)) == 1 and difficulty((5, 3)) == 12

@@ -12,6 +12,7 @@ from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
 from anchor_rl.cli import app
+from anchor_rl.models.spec import load_spec
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record
@@ -23,7 +24,6 @@ from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train, train_step
-from anchor_rl.trainer.policy import load_spec
 from anchor_rl.trainer.pvpo import batch_anchors, inject_teachers, reference_key
 from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs

@@ -36,6 +36,18 @@ def test_time_to_accuracy_by_hand() -> None:
     assert "target_reached" not in run_figures(RECORDS)
 
 
+def test_training_prompt_accuracy_figures_and_a_target_on_them() -> None:
+    records = [dict(r) for r in RECORDS]
+    records[0]["eval/train_accuracy"], records[2]["eval/train_accuracy"] = 0.5, 0.7
+    figures = run_figures(records, 0.6, "eval/train_accuracy")
+    assert figures["train_start"] == 0.5 and figures["train_final"] == 0.7
+    assert figures["target_wall_s"] == 20.0 and figures["eval_final"] == 0.3
+    assert "train_final" in markdown_table(
+        "s", summarise([{"label": "a", "seed": 0, "figures": figures}])
+    )
+    assert "train_final" not in run_figures(RECORDS)
+
+
 def test_target_columns_appear_only_for_a_suite_with_a_target() -> None:
     with_target = summarise([{"label": "a", "seed": 0, "figures": run_figures(RECORDS, 0.25)}])
     assert "target_wall_s" in markdown_table("s", with_target)

@@ -234,3 +234,29 @@ def test_cli_trains_and_rejects_bad_input(parity, tiny, tmp_path) -> None:
     assert not (tmp_path / "bad").exists()  # failed before any work
     again = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "--out", str(out)])
     assert again.exit_code == 2 and "--resume" in again.output
+
+
+def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(
+    parity, tiny, monkeypatch
+) -> None:
+    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout import evaluate as evaluate_module
+    from anchor_rl.trainer import run as run_module
+
+    calls = []
+
+    def spy(model, tokenizer, task, split, **kwargs):
+        result = evaluate_module.evaluate(model, tokenizer, task, split, **kwargs)
+        calls.append((split, kwargs["limit"], result))
+        return result
+
+    monkeypatch.setattr(run_module, "evaluate", spy)
+    cfg = load_config("grpo", [*tiny, "train_prompts=5", "eval.train_prompts=50"])
+    model, tokenizer = load_spec(cfg.model, cfg.task, cfg.task_args, cfg.seed, "cpu", False)
+    metrics = run_module.evaluate_model(model, tokenizer, parity, cfg, step=0)
+    assert [(split, limit) for split, limit, _ in calls] == [("test", 3), ("train", 5)]
+    assert calls[1][2]["prompts"] == 5
+    assert metrics["eval/train_accuracy"] == calls[1][2]["avg@1"]
+    calls.clear()
+    off = run_module.evaluate_model(model, tokenizer, parity, load_config("grpo", tiny), step=0)
+    assert "eval/train_accuracy" not in off and [c[0] for c in calls] == ["test"]
