@@ -51,37 +51,47 @@ def mean_curve(
 def plot_suite(
     runs: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], out: Path, title: str
 ) -> list[Path]:
-    """One PNG per x axis in ``AXES``; ``runs`` maps a label to its seeds' metric records."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """One PNG per x axis in ``AXES`` and metric in ``METRICS`` that some run logged; ``runs``
+    maps a label to its seeds' metric records."""
     paths = []
     for y, (ylabel, prefix) in METRICS.items():
-        if y != Y and not any(y in r for seeds in runs.values() for recs in seeds for r in recs):
-            continue
         for x, (xlabel, filename) in AXES.items():
-            fig, ax = plt.subplots(figsize=(6.4, 4.0))
-            for label, seeds in runs.items():
-                curves = [c for c in (eval_curve(records, x, y) for records in seeds) if c]
-                if not curves:
-                    continue
-                xs, ys, lows, highs = mean_curve(curves)
-                (line,) = ax.plot(
-                    xs, ys, marker="o", markersize=3, label=f"{label} (n={len(curves)})"
-                )
-                if len(curves) > 1:
-                    ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
-            fig.tight_layout()
+            series = {
+                label: [eval_curve(records, x, y) for records in seeds]
+                for label, seeds in runs.items()
+            }
             path = Path(out) / f"{prefix}{filename}"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            paths.append(path)
+            if plot_curves(series, xlabel, ylabel, title, path):
+                paths.append(path)
     return paths
+
+
+def plot_curves(
+    series: Mapping[str, Sequence[Sequence[tuple[float, float]]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+) -> bool:
+    """One line per label (pointwise mean over seeds, a 95% band when there are several);
+    returns False (and writes nothing) when no label has a point."""
+    from matplotlib.figure import Figure
+
+    series = {k: [c for c in v if c] for k, v in series.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return False
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.subplots()
+    for label, curves in series.items():
+        xs, ys, lows, highs = mean_curve(curves)
+        (line,) = ax.plot(xs, ys, marker="o", markersize=2, label=f"{label} (n={len(curves)})")
+        if len(curves) > 1:
+            ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
+    return True

@@ -152,7 +152,7 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
                 0
                 if key in {"rollouts", "tokens", "target_rollouts"}
                 else 3
-                if key.startswith(("eval", "reward"))
+                if key.startswith(("eval", "reward", "train"))
                 else 2
             )
             cells.append(

@@ -20,7 +20,7 @@ from anchor_rl.cli import app
 ACCURACY = {
     "grpo": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
     "dapo": ([0.2, 0.5, 0.6], [0.2, 0.5, 0.8]),  # final mean 0.7
-    "grpo+n2": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
+    "grpo+n8": ([0.2, 0.4, 0.5], [0.2, 0.4, 0.7]),  # final mean 0.6
     "pvpo+n2": ([0.2, 0.65, 0.7], [0.2, 0.65, 0.7]),  # passes 0.6 at step 2
 }
 
@@ -133,7 +133,7 @@ def bench(tmp_path):
 
 def test_claims_measured_by_hand(bench) -> None:
     results = load_results([bench])
-    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "grpo+n2", "pvpo+n2"]
+    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "grpo+n8", "pvpo+n2"]
     assert len(results.sources) == 4  # the run-level summary.json files are not suites
     by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
     (dapo,) = measure_claim(by[("final_gain", "dapo", "grpo")], results)
@@ -142,8 +142,10 @@ def test_claims_measured_by_hand(bench) -> None:
         "training prompts 0.700 ± 1.271 → 0.800 ± 1.271 (+0.100); rollouts 1.00×"
     )
     assert "suite `synthetic`" in dapo and "2 seed(s)" in dapo
-    (speed,) = measure_claim(by[("steps_to_match", "pvpo+n2", "grpo+n2")], results)
-    assert speed.startswith("target 0.600 reached at step 2 of 4 (0.50×)")
+    (speed,) = measure_claim(by[("steps_to_match", "pvpo+n2", "grpo+n8")], results)
+    assert speed.startswith(  # on the training-prompt accuracy the synthetic runs log
+        "training-prompt accuracy: target 0.700 reached at step 2 of 4 (0.50×)"
+    )
     assert measure_claim(by[("final_gain", "v05+k4", "grpo+k16")], results) == []
     (mse,) = measure_claim(by[("mse", "v05_k4", "group_mean_k4")], results)
     assert mse.startswith("group_mean_k4: MSE 0.250/0.250, rollouts 4; v05_k4: MSE 0.050/0.150")
@@ -203,3 +205,14 @@ def test_report_cli_errors(tmp_path) -> None:
     assert missing.exit_code == 2 and "is not a directory" in missing.output
     empty = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
     assert empty.exit_code == 2 and "no bench results" in empty.output
+
+
+def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> None:
+    import shutil
+
+    shutil.copytree(bench / "synthetic", bench / "synthetic_long")
+    results = load_results([bench])
+    suites = sorted({m.suite for m in results.methods})
+    assert suites == ["synthetic", "synthetic (synthetic_long)"]
+    by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
+    assert len(measure_claim(by[("final_gain", "dapo", "grpo")], results)) == 2
