@@ -1,4 +1,4 @@
-"""Shared fixtures: the built-in tokenizer, a seeded tiny model and a scripted fake LM.
+"""Fixtures for the rollout tests: a scripted fake LM (tokenizer and tiny model: tests/conftest.py).
 
 ``ScriptedLM`` speaks the slice of the Hugging Face causal-LM interface the engine uses
 (``logits_to_keep``, a cache with ``batch_select_indices``). For each row it writes a
@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from anchor_rl.models.factory import build_model
-from anchor_rl.models.tokenizer import ASSISTANT, build_tokenizer
+from anchor_rl.models.tokenizer import ASSISTANT
 
 
 class ListCache:
@@ -83,16 +82,6 @@ class ScriptedLM(torch.nn.Module):
         for i, row in enumerate(cache.rows):
             logits[i, 0, self.next_token(row)] = 0.0
         return SimpleNamespace(logits=logits, past_key_values=cache)
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
-    return build_model("tiny", tokenizer, seed=0).eval()
 
 
 @pytest.fixture
