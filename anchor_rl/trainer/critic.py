@@ -52,6 +52,7 @@ from anchor_rl.models.value_pretrain import pretrain_value_cached
 from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.data import PromptSampler
+from anchor_rl.trainer.update import minibatches
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -359,35 +360,30 @@ def critic_update(
     critic.zero_grad(set_to_none=True)  # value pretraining leaves its last gradients behind
     sums: dict[str, float] = defaultdict(float)
     tokens_seen, steps = 0.0, 0
-    for _ in range(oc.epochs):
-        if oc.mini_batches > 1:
-            order = torch.randperm(len(batch), generator=generator, device=generator.device).cpu()
-        else:
-            order = torch.arange(len(batch))
-        for rows in torch.tensor_split(order, oc.mini_batches):
-            tokens = mask[rows].sum().item()
-            if tokens == 0:
+    for rows in minibatches(len(batch), oc.epochs, oc.mini_batches, generator):
+        tokens = mask[rows].sum().item()
+        if tokens == 0:
+            continue
+        for part in torch.split(rows, oc.micro_batch_size or len(rows)):
+            m = mask[part].to(device)
+            part_tokens = m.sum().item()
+            if part_tokens == 0:
                 continue
-            for part in torch.split(rows, oc.micro_batch_size or len(rows)):
-                m = mask[part].to(device)
-                part_tokens = m.sum().item()
-                if part_tokens == 0:
-                    continue
-                loss, metrics = value_loss(
-                    critic.values(batch.select(part)),
-                    targets.values[part].to(device),
-                    targets.returns[part].to(device),
-                    m,
-                    clip=cfg.critic.value_clip,
-                )
-                (loss * (part_tokens / tokens)).backward()
-                sums["critic/loss"] += loss.item() * part_tokens
-                sums["critic/vf_clipfrac"] += metrics["vf_clipfrac"].item() * part_tokens
-                tokens_seen += part_tokens
-            sums["critic/grad_norm"] += torch.nn.utils.clip_grad_norm_(params, oc.grad_clip).item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            steps += 1
+            loss, metrics = value_loss(
+                critic.values(batch.select(part)),
+                targets.values[part].to(device),
+                targets.returns[part].to(device),
+                m,
+                clip=cfg.critic.value_clip,
+            )
+            (loss * (part_tokens / tokens)).backward()
+            sums["critic/loss"] += loss.item() * part_tokens
+            sums["critic/vf_clipfrac"] += metrics["vf_clipfrac"].item() * part_tokens
+            tokens_seen += part_tokens
+        sums["critic/grad_norm"] += torch.nn.utils.clip_grad_norm_(params, oc.grad_clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps += 1
     if steps == 0:
         return {}
     return {

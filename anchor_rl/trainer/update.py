@@ -17,6 +17,7 @@ its value loss there.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -116,6 +117,20 @@ def loss_terms(
     return terms, metrics
 
 
+def minibatches(
+    n: int, epochs: int, mini_batches: int, generator: torch.Generator
+) -> Iterator[Tensor]:
+    """Row indices of ``n`` responses for each optimiser step: ``epochs`` passes, each split
+    into ``mini_batches`` parts (shuffled with ``generator`` when there are several, in
+    order otherwise; a part may be empty when ``mini_batches > n``)."""
+    for _ in range(epochs):
+        if mini_batches > 1:
+            order = torch.randperm(n, generator=generator, device=generator.device).cpu()
+        else:
+            order = torch.arange(n)
+        yield from torch.tensor_split(order, mini_batches)
+
+
 def ppo_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -139,23 +154,18 @@ def ppo_update(
     model.train()
     sums: dict[str, float] = defaultdict(float)
     steps = 0
-    for _ in range(oc.epochs):
-        if oc.mini_batches > 1:
-            order = torch.randperm(len(batch), generator=generator, device=generator.device).cpu()
-        else:
-            order = torch.arange(len(batch))
-        for rows in torch.tensor_split(order, oc.mini_batches):
-            if len(rows) == 0:
-                continue
-            stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            for key, value in stats.items():
-                sums[key] += value
-            sums["grad_norm"] += grad_norm.item()
-            steps += 1
+    for rows in minibatches(len(batch), oc.epochs, oc.mini_batches, generator):
+        if len(rows) == 0:
+            continue
+        stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        for key, value in stats.items():
+            sums[key] += value
+        sums["grad_norm"] += grad_norm.item()
+        steps += 1
     metrics = {key: value / steps for key, value in sums.items()}
     metrics["lr"] = scheduler.get_last_lr()[0]
     return metrics
