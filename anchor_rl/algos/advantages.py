@@ -7,9 +7,16 @@ any integers, not necessarily contiguous or sorted); ``mask`` is a 0/1 float ten
 multi-turn response).
 
 Every estimator is a pure function; outputs are constants (they never carry gradient).
+
+Estimators are registered by name with :func:`register_advantage`, which records the
+keyword inputs each one reads; the trainer's ``advantage.estimator`` accepts exactly the
+registered names, and a new estimator is one decorated function (docs/algorithms.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,13 +24,74 @@ from torch import Tensor
 from anchor_rl.algos.gae import gae
 
 __all__ = [
+    "ESTIMATORS",
+    "Estimator",
+    "drgrpo",
+    "gae_advantage",
     "grpo",
+    "masked_whiten",
     "outcome_to_token_rewards",
     "pvpo",
+    "register_advantage",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",
+    "v05",
 ]
+
+INPUTS = ("rewards", "index", "anchor", "baseline", "token_rewards", "dense_rewards", "mask",
+          "gamma", "values", "lam")  # fmt: skip
+"""Every input name an estimator may read (what the trainer can supply):
+
+``rewards[B]`` outcome rewards; ``index[B]`` group ids; ``anchor[B]`` PVPO's static anchor of
+each response's prompt; ``baseline[B]`` V0.5's fused baseline of each response's prompt;
+``token_rewards[B, T]`` per-token rewards with the outcome on the last policy token (and the
+KL penalty when it is in the reward); ``dense_rewards[B, T]`` the per-token rewards besides
+the outcome; ``mask[B, T]``; ``gamma`` the discount; ``values[B, T]`` a critic's V(s_t);
+``lam`` GAE's lambda, a float or ``[B]``."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator.
+
+    fn: the function; called with the keyword ``inputs`` it reads.
+    inputs: the names of :data:`INPUTS` it reads, required ones first.
+    token_level: whether it returns ``[B, T]`` (else ``[B]``, one value per response). The
+        trainer folds an in-reward KL penalty into ``token_rewards`` for token-level
+        estimators and into ``rewards`` (summed over tokens) for the others.
+    """
+
+    fn: Callable[..., Tensor]
+    inputs: tuple[str, ...]
+    token_level: bool = False
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""Registered estimators by name, in registration order."""
+
+
+def register_advantage(
+    name: str, *, inputs: tuple[str, ...], token_level: bool = False
+) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Register the decorated function as estimator ``name`` (returned unchanged).
+
+    ``inputs`` names the keyword arguments it reads, from :data:`INPUTS`. Registering a
+    name twice is an error (a plug-in would silently replace a built-in otherwise).
+    """
+    unknown = [i for i in inputs if i not in INPUTS]
+    if unknown:
+        raise ValueError(
+            f"estimator {name!r} reads unknown inputs {unknown}; known: {', '.join(INPUTS)}"
+        )
+
+    def decorate(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        if name in ESTIMATORS:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+        ESTIMATORS[name] = Estimator(fn, tuple(inputs), token_level)
+        return fn
+
+    return decorate
 
 
 def _check_outcome(rewards: Tensor, index: Tensor) -> None:
@@ -57,6 +125,7 @@ def _group_centre(rewards: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tenso
     return rewards - mean[group], group, counts
 
 
+@register_advantage("grpo", inputs=("rewards", "index"))
 def grpo(rewards: Tensor, index: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO group-normalised advantage ``[B]``.
 
@@ -76,6 +145,13 @@ def grpo(rewards: Tensor, index: Tensor, scale_by_std: bool = True, eps: float =
     return centred / (std[group] + eps)
 
 
+@register_advantage("drgrpo", inputs=("rewards", "index"))
+def drgrpo(rewards: Tensor, index: Tensor) -> Tensor:
+    """Dr. GRPO advantage ``[B]``: ``A_i = r_i - mean_g`` (GRPO without the std scaling)."""
+    return grpo(rewards, index, scale_by_std=False)
+
+
+@register_advantage("rloo", inputs=("rewards", "index"))
 def rloo(rewards: Tensor, index: Tensor) -> Tensor:
     """REINFORCE leave-one-out advantage ``[B]``.
 
@@ -89,6 +165,7 @@ def rloo(rewards: Tensor, index: Tensor) -> Tensor:
     return centred * scale
 
 
+@register_advantage("pvpo", inputs=("rewards", "anchor"))
 def pvpo(rewards: Tensor, anchor: Tensor) -> Tensor:
     """PVPO static-anchor advantage ``[B]``: ``A_i = r_i - V_sta(prompt_i)``, no std scaling.
 
@@ -101,6 +178,16 @@ def pvpo(rewards: Tensor, anchor: Tensor) -> Tensor:
             f"{tuple(rewards.shape)} and {tuple(anchor.shape)}"
         )
     return rewards - anchor.to(rewards.dtype)
+
+
+@register_advantage("v05", inputs=("rewards", "baseline"))
+def v05(rewards: Tensor, baseline: Tensor) -> Tensor:
+    """V0.5 advantage ``[B]``: ``A_i = r_i - b(prompt_i)``, no std scaling.
+
+    ``baseline[B]`` holds, for each response, its prompt's prior fused with the prompt's
+    rollouts (:func:`anchor_rl.algos.v05.fuse`).
+    """
+    return pvpo(rewards, baseline)
 
 
 def outcome_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
@@ -121,6 +208,19 @@ def outcome_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return out.scatter_(1, last.unsqueeze(1), value.unsqueeze(1))
 
 
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the mean and unbiased variance over the entries
+    where ``mask > 0`` (``[B, T]``, e.g. GAE advantages over a batch's policy tokens); 0
+    elsewhere."""
+    keep = mask > 0
+    n = int(keep.sum())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = x[keep].mean()
+    var = x[keep].var() if n > 1 else x.new_zeros(())
+    return torch.where(keep, (x - mean) * torch.rsqrt(var + eps), 0)
+
+
 def _masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the tokens with ``mask > 0``; 0 elsewhere.
 
@@ -136,6 +236,7 @@ def _masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(keep, (x - mean) * torch.rsqrt(var + eps), 0)
 
 
+@register_advantage("reinforce_pp", inputs=("token_rewards", "mask", "gamma"), token_level=True)
 def reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """REINFORCE++ advantage ``[B, T]``: discounted token returns whitened over the batch.
 
@@ -153,6 +254,11 @@ def reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
     return _masked_whiten(returns, mask)
 
 
+@register_advantage(
+    "reinforce_pp_baseline",
+    inputs=("rewards", "index", "mask", "dense_rewards", "gamma"),
+    token_level=True,
+)
 def reinforce_pp_baseline(
     rewards: Tensor,
     index: Tensor,
@@ -178,3 +284,18 @@ def reinforce_pp_baseline(
         _check_token("dense_rewards", dense_rewards, mask)
         token_rewards = token_rewards + dense_rewards.to(token_rewards.dtype)
     return reinforce_pp(token_rewards, mask, gamma)
+
+
+@register_advantage(
+    "gae", inputs=("token_rewards", "values", "mask", "gamma", "lam"), token_level=True
+)
+def gae_advantage(
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float | Tensor = 1.0,
+) -> Tensor:
+    """GAE advantages ``[B, T]`` on a critic's ``values[B, T]`` (PPO, VAPO); ``lam`` a float or
+    ``[B]`` (VAPO's length-adaptive lambda). See :func:`anchor_rl.algos.gae.gae`."""
+    return gae(token_rewards, values, mask, gamma, lam)[0]

@@ -74,6 +74,7 @@ def _run_all(batch: dict[str, Any]) -> dict[str, Any]:
         "rewards": rewards,
         "index": index,
         "anchor": batch["anchor"].repeat_interleave(RESPONSES),
+        "baseline": batch["anchor"].repeat_interleave(RESPONSES),  # V0.5: the prior, unfused
         "token_rewards": outcome - KL_COEF * kl_k1,
         "dense_rewards": -KL_COEF * kl_k1,
         "mask": mask,
@@ -87,7 +88,8 @@ def _run_all(batch: dict[str, Any]) -> dict[str, Any]:
 
     advantages = {
         name: per_response(registry.compute_advantage(name, **inputs))
-        for name in registry.ADVANTAGES
+        for name, estimator in registry.ESTIMATORS.items()
+        if "values" not in estimator.inputs  # the critic's: computed below on outcome rewards
     }
     gae_adv, gae_ret = gae_mod.gae(outcome, batch["values"], mask, 1.0, GAE_LAMBDA)
     adaptive = gae_mod.length_adaptive_lambda(lengths, ADAPTIVE_ALPHA).double()

@@ -4,9 +4,14 @@ Shapes: ``B`` responses, ``T`` response tokens, ``V`` vocabulary. ``logp`` is th
 policy's log-probability of each sampled token ``[B, T]``; ``mask`` is 0/1 float ``[B, T]``
 (1 for the policy's own tokens). Values under ``mask == 0`` never reach a loss, even if
 they are inf or NaN.
+
+Policy losses are registered by name with :func:`register_policy_loss` (``loss.policy_loss``
+in the trainer's config); ``ppo`` is :func:`policy_loss`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -14,7 +19,10 @@ from torch import Tensor
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "POLICY_LOSSES",
+    "register_policy_loss",
     "agg",
+    "check_bt",
     "entropy_from_logits",
     "kl",
     "nll",
@@ -33,8 +41,30 @@ KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, agg, norm_const)
+-> (loss, metrics)``: tensors ``[B, T]`` (advantages ``[B]`` or ``[B, T]``), the loss a 0-d
+tensor with gradient, metrics detached 0-d tensors (logged as ``policy/NAME``). A loss that
+has no use for a setting accepts it and ignores it."""
 
-def _check_bt(mask: Tensor, **tensors: Tensor) -> None:
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""Registered policy losses by name."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register the decorated function as policy loss ``name`` (returned unchanged)."""
+
+    def decorate(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"a policy loss named {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorate
+
+
+def check_bt(mask: Tensor, **tensors: Tensor) -> None:
+    """ValueError unless ``mask`` is 2-D ``[B, T]`` and every named tensor has its shape."""
     if mask.dim() != 2:
         raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
     for name, x in tensors.items():
@@ -95,7 +125,7 @@ def agg(values: Tensor, mask: Tensor, mode: str, norm_const: float | None = None
     Sequence means run over the sequences with at least one masked token, so an all-zero
     row neither contributes nor dilutes; an all-zero mask gives 0 (never NaN).
     """
-    _check_bt(mask, values=values)
+    check_bt(mask, values=values)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     masked = _masked(values, mask)
@@ -119,6 +149,7 @@ def agg(values: Tensor, mask: Tensor, mode: str, norm_const: float | None = None
 _agg = agg  # policy_loss and value_loss shadow the name with their `agg` argument
 
 
+@register_policy_loss("ppo")
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -158,7 +189,7 @@ def policy_loss(
         ``ratio > clip_c``; 0 without dual clip), ``approx_kl`` (``mean (logp - old)^2 / 2``,
         the k2 estimate of the KL to the behaviour policy) and ``ratio_mean``.
     """
-    _check_bt(mask, logp=logp, old_logp=old_logp)
+    check_bt(mask, logp=logp, old_logp=old_logp)
     if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
         adv = advantages.unsqueeze(-1)
     elif advantages.shape == mask.shape:
@@ -217,7 +248,7 @@ def value_loss(
     ``vf_clipfrac`` (fraction of masked tokens where the clipped error is the larger) and
     ``vf_mse`` (masked mean of ``(values - R)^2``).
     """
-    _check_bt(mask, values=values, old_values=old_values, returns=returns)
+    check_bt(mask, values=values, old_values=old_values, returns=returns)
     if clip <= 0:
         raise ValueError(f"clip must be > 0, got {clip}")
     old_values, returns = old_values.detach(), returns.detach()
@@ -239,7 +270,7 @@ def nll(logp: Tensor, mask: Tensor, select: Tensor) -> Tensor:
 
     ``select[B]`` is 0/1 (or bool), e.g. ``reward == max reward``.
     """
-    _check_bt(mask, logp=logp)
+    check_bt(mask, logp=logp)
     if select.shape != mask.shape[:1]:
         raise ValueError(f"select must be [B] = ({mask.shape[0]},), got {tuple(select.shape)}")
     weight = mask * select.to(mask.dtype).unsqueeze(-1)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -47,9 +46,10 @@ from anchor_rl.anchors.keys import (
 )
 from anchor_rl.anchors.presample import task_params
 from anchor_rl.anchors.store import TeacherTrajectory
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.scoring import token_logprobs
-from anchor_rl.models.tokenizer import encode_prompt
-from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.models.tokenizer import encode_completion, encode_prompt
+from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 
 if TYPE_CHECKING:
@@ -119,40 +119,6 @@ def require_same_vocab(
             f"tokenizer {tokenizer_name(policy)}; a {who} model can only score its own token ids, and a "
             "teacher trajectory must be in the policy's ids: use a teacher that shares the policy's tokenizer"
         )
-
-
-def _tool_output_pattern() -> re.Pattern[str]:
-    """Regex of a tool result block as the rollout engine writes it (``format_result``)."""
-    from anchor_rl.tools.parsing import format_result
-
-    prefix, suffix = format_result("\x00").split("\x00")
-    return re.compile(re.escape(prefix) + r".*?" + re.escape(suffix), re.DOTALL)
-
-
-def split_tool_output(text: str) -> list[tuple[str, bool]]:
-    """Split a completion into ``(segment, written_by_model)`` pieces; tool result blocks are not."""
-    pieces, pos = [], 0
-    for match in _tool_output_pattern().finditer(text):
-        if match.start() > pos:
-            pieces.append((text[pos : match.start()], True))
-        pieces.append((match.group(), False))
-        pos = match.end()
-    if pos < len(text):
-        pieces.append((text[pos:], True))
-    return pieces
-
-
-def encode_segments(
-    tokenizer: PreTrainedTokenizerBase, segments: Sequence[tuple[str, bool]]
-) -> tuple[list[int], list[float]]:
-    """Token ids and loss mask of a completion tokenised segment by segment (as the engine appends turns)."""
-    ids: list[int] = []
-    mask: list[float] = []
-    for text, by_model in segments:
-        seg = tokenizer.encode(text, add_special_tokens=False)
-        ids += seg
-        mask += [1.0 if by_model else 0.0] * len(seg)
-    return ids, mask
 
 
 def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> Tensor:
@@ -285,13 +251,10 @@ class OracleTeacher:
         out: list[TeacherTrajectory | None] = [None] * len(records)
         if not ok:
             return out
-        encoded = [
-            encode_segments(
-                self.policy_tokenizer,
-                split_tool_output(texts[i]) if self.task.tools else [(texts[i], True)],
-            )
-            for i in ok
-        ]
+        encoded = []
+        for i in ok:
+            ids, policy = encode_completion(self.policy_tokenizer, texts[i], bool(self.task.tools))
+            encoded.append((ids, [float(p) for p in policy]))
         prompts = [
             encode_prompt(self.scorer_tokenizer, records[i].prompt, self.task.instruction)
             for i in ok

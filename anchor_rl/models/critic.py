@@ -51,10 +51,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from anchor_rl.models.scoring import left_pad, position_ids
+from anchor_rl.models.scoring import pack_prompt_response
 
 if TYPE_CHECKING:
-    from anchor_rl.rollout.types import RolloutBatch
+    from anchor_rl.batch import RolloutBatch
 
 CriticMode = Literal["separate", "shared"]
 MODES: tuple[str, ...] = get_args(CriticMode)
@@ -165,15 +165,12 @@ class Critic(nn.Module):
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count real
         # tokens, so the hidden state at column c sees exactly the real tokens at columns <= c.
-        device = self.device
-        prompt_ids, prompt_mask = left_pad(batch.prompt_ids, batch.pad_id)
-        response_mask = batch.attention_mask.to(device)
-        ids = torch.cat([prompt_ids.to(device), batch.response_ids.to(device)], dim=1)
-        mask = torch.cat([prompt_mask.to(device), response_mask.long()], dim=1)
+        ids, mask, positions = pack_prompt_response(batch, self.device)
+        response_mask = batch.attention_mask.to(self.device)
         t = batch.response_ids.shape[1]
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.mode == "separate"):
             hidden = self.backbone(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
             ).last_hidden_state
         # Column P + t - 1 (P = padded prompt width) ends s_t: the last T + 1 columns but one.
         state = hidden[:, -(t + 1) : -1, :].to(self.head.weight.dtype)

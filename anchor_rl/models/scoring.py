@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 if TYPE_CHECKING:
-    from anchor_rl.rollout.types import RolloutBatch
+    from anchor_rl.batch import RolloutBatch
 
 
 def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
@@ -44,19 +44,32 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def pack_prompt_response(
+    batch: RolloutBatch, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids[B, L], mask[B, L], positions[B, L])`` of ``[pad.. prompt | response ..pad]`` on
+    ``device`` (long tensors; L = longest prompt + T).
+
+    The last ``T + 1`` columns but one end the states that predict the ``T`` response
+    tokens: column ``L - T - 1 + t`` ends ``prompt + response[:t]``.
+    """
+    prompt_ids, prompt_mask = left_pad(batch.prompt_ids, batch.pad_id)
+    ids = torch.cat([prompt_ids.to(device), batch.response_ids.to(device)], dim=1)
+    mask = torch.cat([prompt_mask.to(device), batch.attention_mask.to(device).long()], dim=1)
+    return ids, mask, position_ids(mask)
+
+
 def _score(
     model: PreTrainedModel, batch: RolloutBatch, with_entropy: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = model.device
-    prompt_ids, prompt_mask = left_pad(batch.prompt_ids, batch.pad_id)
+    ids, mask, positions = pack_prompt_response(batch, device)
     response_mask = batch.attention_mask.to(device)
-    ids = torch.cat([prompt_ids.to(device), batch.response_ids.to(device)], dim=1)
-    mask = torch.cat([prompt_mask.to(device), response_mask.long()], dim=1)
     t = batch.response_ids.shape[1]
     logits = model(
         input_ids=ids,
         attention_mask=mask,
-        position_ids=position_ids(mask),
+        position_ids=positions,
         use_cache=False,
         logits_to_keep=t + 1,
     ).logits[:, :-1, :]

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
-from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
+from anchor_rl.models.tokenizer import build_tokenizer, encode_completion, encode_prompt
 
 if TYPE_CHECKING:
     from anchor_rl.tasks.base import Record, Task
@@ -100,8 +100,6 @@ def sft_example(
     tokenizer: PreTrainedTokenizerBase, task: Task, record: Record
 ) -> tuple[list[int], list[int]]:
     """``(ids, loss_mask)`` of one training sequence: prompt, trace and eos."""
-    from anchor_rl.rollout.agent import encode_completion
-
     prompt = encode_prompt(tokenizer, record.prompt, task.instruction)
     response, policy = encode_completion(tokenizer, task.trace(record))
     ids = [*prompt, *response, tokenizer.eos_token_id]

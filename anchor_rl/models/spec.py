@@ -57,6 +57,29 @@ def _load(
     return load_policy(spec, device=device)
 
 
+def load_reference(
+    spec: str,
+    tokenizer: PreTrainedTokenizerBase,
+    task: str,
+    task_args: dict[str, Any],
+    seed: int,
+    device: str,
+    progress: bool = True,
+) -> PreTrainedModel:
+    """The frozen reference policy a spec names (:func:`load_spec`, then :func:`frozen`).
+
+    ValueError when its tokenizer's vocabulary differs from ``tokenizer`` (the policy's):
+    a KL term, anchors or teacher log-probs compare the two models token by token.
+    """
+    model, ref_tokenizer = load_spec(spec, task, task_args, seed, device, progress)
+    if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"the reference {spec!r} has a different tokenizer vocabulary from the policy's; "
+            "the KL term, PVPO anchors and teacher log-probs need the same vocabulary"
+        )
+    return frozen(model)
+
+
 def frozen(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` in eval mode with gradients off (a reference policy)."""
     model.eval()

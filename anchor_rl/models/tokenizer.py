@@ -17,6 +17,8 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from anchor_rl.tools.parsing import split_tool_output
+
 PAD, UNK, EOS = "<pad>", "<unk>", "<|end|>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, USER, ASSISTANT, SYSTEM, EOS)
@@ -91,3 +93,24 @@ def encode_prompt(
         return tokenizer.encode(text, add_special_tokens=False)
     text = f"{instruction}\n\n{prompt}" if instruction else prompt
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def encode_completion(
+    tokenizer: PreTrainedTokenizerBase, text: str, tool_output: bool = True
+) -> tuple[list[int], list[bool]]:
+    """Token ids of a finished completion and, per token, whether the policy wrote it.
+
+    Tokenised the way the agent loop builds a response, piece by piece: with
+    ``tool_output`` the result blocks (:func:`anchor_rl.tools.parsing.split_tool_output`)
+    are encoded on their own and flagged ``False`` (tool output carries no loss); without
+    it the whole text is one policy piece. Used to train on, score or inject reference and
+    teacher traces.
+    """
+    pieces = split_tool_output(text) if tool_output else [(text, True)]
+    ids: list[int] = []
+    policy: list[bool] = []
+    for piece, by_policy in pieces:
+        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        ids += piece_ids
+        policy += [by_policy] * len(piece_ids)
+    return ids, policy

@@ -12,15 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-
-def _check_bt(mask: Tensor, **tensors: Tensor) -> None:
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
-    for name, x in tensors.items():
-        if x.shape != mask.shape:
-            raise ValueError(
-                f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(x.shape)}"
-            )
+from anchor_rl.algos.losses import check_bt
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
@@ -30,7 +22,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     worse than that. NaN when ``Var[R] = 0`` (every masked return equal, or no masked
     token): the ratio is undefined, and NaN never passes a ``>=`` threshold.
     """
-    _check_bt(mask, values=values, returns=returns)
+    check_bt(mask, values=values, returns=returns)
     keep = mask > 0
     ret = returns.detach()[keep].double()
     if ret.numel() == 0:
@@ -49,7 +41,7 @@ def first_token_value_error(values: Tensor, rewards: Tensor, mask: Tensor) -> fl
     Rows whose first response token is masked out (empty responses) are skipped; NaN when
     no row is left.
     """
-    _check_bt(mask, values=values)
+    check_bt(mask, values=values)
     if rewards.shape != mask.shape[:1]:
         raise ValueError(f"rewards must be [B] = ({mask.shape[0]},), got {tuple(rewards.shape)}")
     keep = mask[:, 0] > 0
@@ -70,7 +62,7 @@ def value_metrics(
     (:func:`first_token_value_error` against the outcome ``rewards[B]``); ``value_mean``
     and ``return_mean`` (masked token means).
     """
-    _check_bt(mask, values=values, returns=returns)
+    check_bt(mask, values=values, returns=returns)
     keep = mask > 0
     v, r = values.detach()[keep].double(), returns.detach()[keep].double()
     n = v.numel()
@@ -109,10 +101,10 @@ def advantage_stats_by_length(
     tokens. ``advantages`` is ``[B, T]`` or ``[B]`` (one per response, counted once
     per token).
     """
-    _check_bt(mask)
+    check_bt(mask)
     if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
         advantages = advantages[:, None].expand(mask.shape)
-    _check_bt(mask, advantages=advantages)
+    check_bt(mask, advantages=advantages)
     adv = advantages.detach().double()
     keep = mask > 0
     lengths = keep.sum(-1)

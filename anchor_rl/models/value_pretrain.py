@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from anchor_rl.models.value_metrics import explained_variance, first_token_value
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from anchor_rl.rollout.types import RolloutBatch
+    from anchor_rl.batch import RolloutBatch
 
 SampleFn = Callable[[int], tuple["RolloutBatch", Tensor]]
 """``sample_fn(step) -> (batch, rewards[B])``: fresh rollouts of the fixed policy and their rewards."""
@@ -151,78 +152,88 @@ def pretrain_value(
                     history["stopped_early"] = True
                     bar.update(task, info=f"EV {ev:.3f} >= {ev_threshold}: stop")
                     break
-                loss, clipfrac, updates = _train_on_batch(
-                    critic,
-                    optimizer,
-                    params,
-                    batch,
-                    old_values,
-                    returns,
-                    mask,
-                    value_clip,
-                    mini_batch,
-                    micro_batch,
-                    max_grad_norm,
-                    generator,
-                )
-                history["loss"].append(loss)
-                history["vf_clipfrac"].append(clipfrac)
+                b = len(batch)
+                shuffle = mini_batch is not None and mini_batch < b
+                order = torch.randperm(b, generator=generator) if shuffle else torch.arange(b)
+                fit = fit_values(
+                    critic, optimizer, batch, mask, old_values, returns,
+                    torch.split(order, mini_batch or b), value_clip=value_clip,
+                    micro_batch=micro_batch, max_grad_norm=max_grad_norm,
+                )  # fmt: skip
+                history["loss"].append(fit["loss"])
+                history["vf_clipfrac"].append(fit["vf_clipfrac"])
                 history["steps"] += 1
-                history["updates"] += updates
-                bar.update(task, advance=1, info=f"EV {ev:.3f}  loss {loss:.4f}")
+                history["updates"] += fit["updates"]
+                bar.update(task, advance=1, info=f"EV {ev:.3f}  loss {fit['loss']:.4f}")
     finally:
         critic.train(was_training)
     return history
 
 
-def _train_on_batch(
+def fit_values(
     critic: Critic,
     optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
     batch: RolloutBatch,
+    mask: Tensor,
     old_values: Tensor,
     returns: Tensor,
-    mask: Tensor,
+    schedule: Iterable[Tensor],
+    *,
     value_clip: float,
-    mini_batch: int | None,
-    micro_batch: int | None,
-    max_grad_norm: float | None,
-    generator: torch.Generator,
-) -> tuple[float, float, int]:
-    """One shuffled pass over ``batch``; returns (token-weighted loss, clipfrac, updates)."""
-    b = len(batch)
-    order = (
-        torch.randperm(b, generator=generator)
-        if mini_batch is not None and mini_batch < b
-        else torch.arange(b)
-    )
-    loss_sum = clip_sum = tokens_sum = 0.0
+    micro_batch: int | None = None,
+    max_grad_norm: float | None = None,
+) -> dict[str, float]:
+    """One optimiser step of the clipped value loss per mini-batch of ``schedule``.
+
+    ``schedule`` yields row indices (a mini-batch each; one with no masked token is
+    skipped). Per token ``0.5 * max((V - R)^2, (V_clip - R)^2)``, ``V_clip`` = ``old_values``
+    moved by at most ``value_clip``, token-mean over the mini-batch; micro-batches of
+    ``micro_batch`` rows accumulate gradients weighted by their tokens, so they change
+    memory, not the update. The gradient norm is clipped to ``max_grad_norm`` (None: not
+    clipped, still measured).
+
+    Args:
+        mask, old_values, returns: ``[B, T]`` (any device; moved to the critic's).
+
+    Returns ``loss`` and ``vf_clipfrac`` (token-weighted over every mini-batch, NaN when
+    nothing was trained), ``grad_norm`` (mean over optimiser steps) and ``updates``.
+    """
+    device = critic.device
+    params = [p for p in critic.parameters() if p.requires_grad]
+    mask, old_values, returns = mask.to(device), old_values.to(device), returns.to(device)
+    loss_sum = clip_sum = tokens_sum = norm_sum = 0.0
     updates = 0
-    for rows in torch.split(order, mini_batch or b):
-        tokens = float(mask[rows.to(mask.device)].sum())
+    for rows in schedule:
+        rows = rows.to(device)
+        tokens = float(mask[rows].sum())
         if tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
         for part in torch.split(rows, micro_batch or len(rows)):
-            idx = part.to(mask.device)
-            part_tokens = float(mask[idx].sum())
+            part_tokens = float(mask[part].sum())
             if part_tokens == 0:
                 continue
-            values = critic.values(batch.select(part))
             loss, metrics = value_loss(
-                values, old_values[idx], returns[idx], mask[idx], clip=value_clip
-            )
+                critic.values(batch.select(part.cpu())), old_values[part], returns[part],
+                mask[part], clip=value_clip,
+            )  # fmt: skip
             (loss * (part_tokens / tokens)).backward()
             loss_sum += float(loss.detach()) * part_tokens
             clip_sum += float(metrics["vf_clipfrac"]) * part_tokens
             tokens_sum += part_tokens
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        limit = math.inf if max_grad_norm is None else max_grad_norm
+        norm_sum += float(torch.nn.utils.clip_grad_norm_(params, limit))
         optimizer.step()
         updates += 1
-    if tokens_sum == 0:
-        return float("nan"), float("nan"), 0
-    return loss_sum / tokens_sum, clip_sum / tokens_sum, updates
+    optimizer.zero_grad(set_to_none=True)
+    if updates == 0:
+        return {"loss": math.nan, "vf_clipfrac": math.nan, "grad_norm": math.nan, "updates": 0}
+    return {
+        "loss": loss_sum / tokens_sum,
+        "vf_clipfrac": clip_sum / tokens_sum,
+        "grad_norm": norm_sum / updates,
+        "updates": updates,
+    }
 
 
 def cache_key(key_dict: Mapping[str, Any], settings: Mapping[str, Any]) -> str:

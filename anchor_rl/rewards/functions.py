@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from anchor_rl.rewards import pvpo, qa
 from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.rewards.format import format_score
 from anchor_rl.rewards.math import math_equal
+from anchor_rl.rewards.pvpo import reward as pvpo_manager
+from anchor_rl.rewards.qa import cover_exact_match, exact_match, f1
 
 RewardFunction = Callable[..., list[float | None]]
 
@@ -74,7 +75,7 @@ def qa_em_reward(
     **_: Any,
 ) -> list[float | None]:
     """Exact match of the extracted answer (``<answer>`` or ``\\boxed``) against the gold."""
-    return _per_sample(_qa(qa.exact_match), completions, answer)
+    return _per_sample(_qa(exact_match), completions, answer)
 
 
 def qa_f1_reward(
@@ -84,7 +85,7 @@ def qa_f1_reward(
     **_: Any,
 ) -> list[float | None]:
     """Token F1 of the extracted answer against the gold."""
-    return _per_sample(_qa(qa.f1), completions, answer)
+    return _per_sample(_qa(f1), completions, answer)
 
 
 def qa_cem_reward(
@@ -94,7 +95,7 @@ def qa_cem_reward(
     **_: Any,
 ) -> list[float | None]:
     """Cover exact match: the gold appears in the extracted answer as whole tokens."""
-    return _per_sample(_qa(qa.cover_exact_match), completions, answer)
+    return _per_sample(_qa(cover_exact_match), completions, answer)
 
 
 def _math(text: str, golds: list[str]) -> float:
@@ -119,7 +120,7 @@ def pvpo_reward(
     **_: Any,
 ) -> list[float | None]:
     """PVPO's reward manager (:func:`anchor_rl.rewards.pvpo.reward` with n=3, tool ``search``)."""
-    return _per_sample(lambda text, golds: pvpo.reward(text, golds), completions, answer)
+    return _per_sample(lambda text, golds: pvpo_manager(text, golds), completions, answer)
 
 
 def format_reward(

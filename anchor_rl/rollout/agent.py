@@ -7,7 +7,6 @@ never hold the others back. Tool output tokens are attended to but carry no loss
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -103,29 +102,3 @@ def run_agent(
                     r.truncated = r.done = True
     return responses
 
-
-def encode_completion(
-    tokenizer: PreTrainedTokenizerBase, text: str
-) -> tuple[list[int], list[bool]]:
-    """Tokenise a finished completion the way the agent loop builds one.
-
-    Result blocks (``format_result`` output) are encoded separately and flagged
-    ``False`` (tool output, no loss); the text between them is policy text, flagged
-    ``True``. Used to train on or score reference traces with tool turns.
-    """
-    prefix, suffix = format_result("\x00").split("\x00")
-    pattern = re.compile(re.escape(prefix) + ".*?" + re.escape(suffix), re.DOTALL)
-    pieces: list[tuple[str, bool]] = []
-    start = 0
-    for match in pattern.finditer(text):
-        pieces += [(text[start : match.start()], True), (match.group(), False)]
-        start = match.end()
-    pieces.append((text[start:], True))
-    ids: list[int] = []
-    policy: list[bool] = []
-    for segment, is_policy in pieces:
-        if segment:
-            segment_ids = tokenizer.encode(segment, add_special_tokens=False)
-            ids += segment_ids
-            policy += [is_policy] * len(segment_ids)
-    return ids, policy

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.agent import Response, run_agent
-from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
 
 

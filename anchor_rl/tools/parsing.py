@@ -2,6 +2,7 @@
 
 A tool call is ``<{tag}>query</{tag}>`` in the policy's text; the environment answers
 with ``format_result(output)`` appended right after the close tag, no whitespace.
+:func:`split_tool_output` finds those result blocks again in a finished completion.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 _TAG_LIKE = re.compile(r"</?[A-Za-z_][\w-]*>")
+_RESULT_BLOCK = re.compile(re.escape(RESULT_OPEN) + ".*?" + re.escape(RESULT_CLOSE), re.DOTALL)
 
 
 def parse_tool_call(text: str, tags: Iterable[str]) -> tuple[str, str] | None:
@@ -47,3 +49,21 @@ def format_result(text: str, max_chars: int | None = None) -> str:
             raise ValueError(f"max_chars must be >= 3, got {max_chars}")
         text = text[: max_chars - 3] + "..."
     return f"{RESULT_OPEN}{text}{RESULT_CLOSE}"
+
+
+def split_tool_output(text: str) -> list[tuple[str, bool]]:
+    """Split a completion into ``(segment, written_by_policy)`` pieces, in order.
+
+    The result blocks :func:`format_result` writes are the environment's (``False``); the
+    text around them is the policy's (``True``). Empty pieces are left out.
+    """
+    pieces: list[tuple[str, bool]] = []
+    start = 0
+    for match in _RESULT_BLOCK.finditer(text):
+        if match.start() > start:
+            pieces.append((text[start : match.start()], True))
+        pieces.append((match.group(), False))
+        start = match.end()
+    if start < len(text):
+        pieces.append((text[start:], True))
+    return pieces

@@ -1,4 +1,5 @@
-"""Resumable checkpoints: weights, optimizer, scheduler, RNG states and the loop's counters.
+"""Resumable checkpoints: weights, optimizer, scheduler, RNG states, the loop's counters and
+every method component's state.
 
 Layout of ``RUN_DIR/checkpoints/step_000042/``::
 
@@ -6,12 +7,12 @@ Layout of ``RUN_DIR/checkpoints/step_000042/``::
     optimizer.pt    optimizer.state_dict()
     scheduler.pt    scheduler.state_dict()
     rng.pt          python, numpy and torch global RNG states and the rollout generator's
-    state.json      TrainState (step, data cursor, cumulative counters)
-    critic/         the critic and its optimiser, when the run has one (PPO, VAPO)
-    v05.pt          the V0.5 prior's state (its evidence and context), when the run has one
+    state.json      TrainState (step, data cursor, cumulative counters) and the format
+    NAME.pt         each component's state_dict() (``critic.pt``, ``pvpo.pt``, ``v05.pt``...)
 
 A checkpoint is written to a temporary directory and renamed into place, so a run killed
-while saving leaves the previous checkpoint intact.
+while saving leaves the previous checkpoint intact. Component states hold plain data and
+tensors only, and are read back with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -19,45 +20,22 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.spec import quiet_transformers
-from anchor_rl.trainer.critic import CRITIC_DIR, CriticState
-
-if TYPE_CHECKING:
-    from anchor_rl.trainer.v05 import V05State
+from anchor_rl.trainer.component import Component
+from anchor_rl.trainer.state import TrainState
 
 CHECKPOINTS = "checkpoints"
-
-
-@dataclass
-class TrainState:
-    """The loop's counters: everything besides weights and RNG that a resumed run needs."""
-
-    step: int = 0
-    """Steps completed."""
-    consumed: int = 0
-    """Prompts drawn from the prompt stream (the data cursor)."""
-    rollouts: int = 0
-    """Responses generated so far, filtered ones included."""
-    tokens: int = 0
-    """Policy tokens generated so far, filtered ones included."""
-    elapsed: float = 0.0
-    """Wall-clock seconds spent in completed steps, evaluation and checkpoints."""
-    presample_rollouts: int = 0
-    """PVPO: reference rollouts the anchors rest on (M per prompt; cached ones included)."""
-    refresh_rollouts: int = 0
-    """PVPO: rollouts behind the refreshed anchors so far (cached ones included)."""
-    anchor_key: str | None = None
-    """PVPO: anchor-store digest of the anchors in use (the presample key, then each refresh's)."""
-    value_pretrain_rollouts: int = 0
-    """VAPO: reference rollouts value pretraining used (cached ones included)."""
+STATE_FILE = "state.json"
+FORMAT = 2
+"""Checkpoint layout version (2: component states in ``NAME.pt``). Bump on a layout change."""
 
 
 def rng_states(generator: torch.Generator) -> dict:
@@ -87,10 +65,10 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     generator: torch.Generator,
     keep: int,
-    critic: CriticState | None = None,
-    v05: V05State | None = None,
+    components: Mapping[str, Component] | None = None,
 ) -> Path:
-    """Write the checkpoint of ``state.step`` and delete all but the newest ``keep``."""
+    """Write the checkpoint of ``state.step`` (with each component's state) and delete all
+    but the newest ``keep``."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp_step_{state.step:06d}"
@@ -101,11 +79,9 @@ def save_checkpoint(
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_states(generator), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
-    if critic is not None:
-        critic.save(tmp / CRITIC_DIR)
-    if v05 is not None:
-        v05.save(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **asdict(state)}, indent=2))
+    for name, component in (components or {}).items():
+        torch.save(component.state_dict(), tmp / f"{name}.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in list_checkpoints(run_dir)[:-keep]:
@@ -132,8 +108,27 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
 
 def load_train_state(path: Path) -> TrainState:
-    """The counters stored in a checkpoint directory."""
-    return TrainState(**json.loads((Path(path) / "state.json").read_text()))
+    """The counters stored in a checkpoint directory; ValueError for another layout version."""
+    data = json.loads((Path(path) / STATE_FILE).read_text())
+    found = data.pop("format", 1)
+    if found != FORMAT:
+        raise ValueError(
+            f"{path} is a checkpoint of layout {found}; this version of anchor-rl reads layout "
+            f"{FORMAT} (start the run again, or resume it with the version that wrote it)"
+        )
+    return TrainState(**data)
+
+
+def load_components(path: Path, components: Mapping[str, Component]) -> None:
+    """Restore each component's state from ``path/NAME.pt``; FileNotFoundError naming the
+    file when the checkpoint has none for a component the run has."""
+    for name, component in components.items():
+        file = Path(path) / f"{name}.pt"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} missing: the checkpoint holds no state of the run's {name!r} component"
+            )
+        component.load_state_dict(torch.load(file, weights_only=True))
 
 
 def load_training_states(

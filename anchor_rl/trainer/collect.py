@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.rewards.overlong import soft_punishment
 from anchor_rl.rollout.engine import HFEngine
-from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler

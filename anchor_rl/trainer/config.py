@@ -19,15 +19,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from anchor_rl.trainer.critic_config import CriticConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
-from anchor_rl.trainer.v05_config import V05Config, config_errors
+from anchor_rl.trainer.v05_config import V05Config
 
-Estimator = Literal[
-    "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "pvpo", "v05", "gae"
-]
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -90,10 +94,21 @@ class FilterConfig(_Section):
         return "none" if value is None else value  # `filter.kind=none` parses as None
 
 
+def _registered(kind: str, name: str) -> str:
+    """``name`` if it is a registered estimator (``kind="estimator"``) or policy loss; the
+    registry is imported here, at validation, so importing the config needs no torch."""
+    from anchor_rl.algos import registry
+
+    names = registry.ESTIMATORS if kind == "estimator" else registry.POLICY_LOSSES
+    if name not in names:
+        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(names)}")
+    return name
+
+
 class AdvantageConfig(_Section):
     """The baseline source: which estimator of anchor_rl.algos.registry turns rewards into advantages."""
 
-    estimator: Estimator = "grpo"
+    estimator: str = "grpo"
     """`grpo`: (r - group mean) / group std. `drgrpo`: r - group mean. `rloo`: r - mean of the
     other responses. `reinforce_pp`: token returns whitened over the batch. `reinforce_pp_baseline`:
     the group mean subtracted first. `pvpo`: r - V_sta(prompt), the mean reward of the reference's
@@ -102,6 +117,11 @@ class AdvantageConfig(_Section):
     (see the `v05` section)."""
     gamma: float = Field(1.0, gt=0, le=1)
     """Discount of token returns (`reinforce_pp*`, `gae`)."""
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return _registered("estimator", value)
 
 
 class KLConfig(_Section):
@@ -119,7 +139,12 @@ class KLConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The policy loss (anchor_rl.algos.losses.policy_loss)."""
+    """The policy loss (a registered one, anchor_rl.algos.losses) and the other loss terms."""
+
+    policy_loss: str = "ppo"
+    """The registered policy loss: `ppo` is the clipped surrogate with clip-higher and the
+    optional dual clip (anchor_rl.algos.losses.policy_loss); register others with
+    anchor_rl.algos.registry.register_policy_loss."""
 
     agg: Aggregation = "seq-mean-token-mean"
     """How token losses are averaged into one number."""
@@ -133,6 +158,11 @@ class LossConfig(_Section):
     """Weight of an NLL loss on correct samples (VAPO: 0.1)."""
     mask_truncated: bool = False
     """Overlong filtering: drop truncated responses from the loss."""
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        return _registered("policy loss", value)
 
 
 class OptimConfig(_Section):
@@ -243,6 +273,12 @@ class TrainConfig(_Section):
     critic: CriticConfig = CriticConfig()
     v05: V05Config = V05Config()
 
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if errors := combination_errors(self):
+            raise ValueError("\n  ".join(errors))
+        return self
+
     @property
     def needs_ref(self) -> bool:
         """Whether a reference policy is loaded (KL penalised or tracked)."""
@@ -253,6 +289,32 @@ class TrainConfig(_Section):
         """DAPO's L_cache in tokens (0: no overlong punishment)."""
         frac = self.reward.overlong_cache
         return 0 if frac == 0 else max(1, round(frac * self.rollout.max_new_tokens))
+
+
+def combination_errors(cfg: TrainConfig) -> list[str]:
+    """What is inconsistent between sections (empty: nothing); each names the field and the fix."""
+    errors = []
+    vc, estimator = cfg.v05, cfg.advantage.estimator
+    if cfg.rollout.budget == "adaptive" and estimator != "v05":
+        errors.append(
+            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
+            f'advantage.estimator="v05" (got {estimator!r})'
+        )
+    if vc.probe_every and estimator != "v05":
+        errors.append(f'v05.probe_every needs advantage.estimator="v05" (got {estimator!r})')
+    if estimator != "v05":
+        return errors
+    if cfg.rollout.n > vc.k_max:
+        errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
+    lo, hi = vc.reward_range
+    if not lo < hi:
+        errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
+    if vc.prior.startswith("anchor") and cfg.pvpo.refresh_every:
+        errors.append(
+            "v05.prior uses the static anchor, which V0.5 does not refresh: set "
+            "pvpo.refresh_every=0 (the history layer follows the policy instead)"
+        )
+    return errors
 
 
 # --- presets and overrides -------------------------------------------------------------
@@ -362,8 +424,6 @@ def build_config(table: Mapping[str, Any]) -> TrainConfig:
                     f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
                 )
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
-    if errors := config_errors(cfg):  # V0.5's knobs against the rest of the config
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
 
 

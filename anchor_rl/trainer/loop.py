@@ -5,19 +5,18 @@ One step::
     1 rollout    collect.generate        n responses for each of P prompts
     2 rewards    collect.score           task reward (+ soft overlong punishment)
     3 filter     collect.collect         dynamic sampling: drop all-equal groups, resample
-                 v05.v05_stage           V0.5: prior, top-up rollouts where the rollouts
-                                         reject it, the fused baseline; the prior learns
-                 pvpo.PVPO.step          PVPO: anchor refresh every K steps, teacher rows
-                                         replace rollouts (group sampling ran at run start)
+                 component.on_rollouts   each method component in turn: V0.5's top-ups and
+                                         fused baseline, PVPO's refresh and teacher rows
     4 log-probs  update.score_logprobs   old (sampling) policy, reference when KL is on
-    5 advantage  advantage.compute_advantages   the baseline source, by name
-                 critic.critic_step     PPO/VAPO: critic values -> GAE -> critic update
+    5 advantage  advantage.base_inputs + component.advantage_inputs  -> the estimator, by name
+                 component.on_advantages the critic's returns, whitening and update
     6 update     update.ppo_update       epochs x mini-batches x micro-batches, AdamW
     7 metrics, held-out evaluation every eval.every steps, checkpoint every checkpoint.every
-      (before a step, when v05.probe_every asks: v05_probe.run_probe, outside the step's clock)
+      (before a step: component.before_step, outside the step's clock, e.g. V0.5's probe)
 
-Log-probs come before the advantage because a KL penalty in the reward (REINFORCE++,
-RLOO) needs the reference log-probs there.
+The loop names no method: what a method adds lives in its component
+(:mod:`anchor_rl.trainer.component`). Log-probs come before the advantage because a KL
+penalty in the reward (REINFORCE++, RLOO) needs the reference log-probs there.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from __future__ import annotations
 import time
 
 from anchor_rl.algos.losses import kl
-from anchor_rl.trainer.advantage import advantage_metrics, compute_advantages
+from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
 from anchor_rl.trainer.collect import collect
+from anchor_rl.trainer.component import Step
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.critic import critic_step
 from anchor_rl.trainer.logging import ProgressBar, open_sinks
 from anchor_rl.trainer.run import Run, counters, evaluate_policy, write_summary
 from anchor_rl.trainer.timing import Timer
@@ -39,43 +38,39 @@ from anchor_rl.trainer.update import (
     score_logprobs,
     token_mean,
 )
-from anchor_rl.trainer.v05 import v05_stage
-from anchor_rl.trainer.v05_probe import run_probe
 
 
 def train_step(run: Run) -> dict[str, float]:
     """One step: rollout -> rewards -> filter -> log-probs -> advantage -> update."""
     cfg, timer = run.cfg, Timer()
+    components = run.components.values()
     # 1-3: rollout -> rewards -> filter (several rounds under dynamic sampling)
     scored, metrics = collect(run.engine, run.sampler, run.task, cfg, run.generator, timer)
-    # V0.5: the prior, top-up rollouts (counted in rollouts/step), the fused baseline b[B]
-    scored, v05_baseline, metrics = v05_stage(run, scored, metrics, timer)
-    run.state.rollouts += int(metrics["rollouts/step"])
-    run.state.tokens += int(metrics["tokens/step"])
-    if run.pvpo is not None:  # PVPO: anchor refresh when due; teacher trajectories replace rollouts
-        scored, pvpo_metrics = run.pvpo.step(scored, run.state, run.policy)
-        metrics |= pvpo_metrics
+    step = Step(run.state.step + 1, scored, metrics, timer)
+    for component in components:  # V0.5 top-ups and fusion, PVPO refresh and teacher rows
+        component.on_rollouts(step)
+    run.state.rollouts += int(step.metrics["rollouts/step"])
+    run.state.tokens += int(step.metrics["tokens/step"])
+    scored, metrics = step.scored, step.metrics
     if len(scored):  # dynamic sampling can end a step with no group kept: nothing to learn from
-        batch, mask = scored.batch, loss_mask(scored.batch, cfg)
+        batch = scored.batch
+        step.mask = mask = loss_mask(batch, cfg)
         with timer("update"):
             # 4: log-probs under the sampling policy (recomputed; off-policy rows such as PVPO's
             # teacher trajectories keep the log-probs they came with) and the reference
             old_logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
-            old_logp = behaviour_logprobs(old_logp, batch, scored.off_policy)
+            step.old_logp = old_logp = behaviour_logprobs(old_logp, batch, scored.off_policy)
             ref_logp = None if run.ref is None else score_logprobs(run.ref, batch, cfg)[0]
-            # 5: baseline and advantage; with a critic (PPO, VAPO): GAE, then the critic's update
-            if run.critic is None:
-                anchor = v05_baseline  # the prompt's baseline: V0.5's fused prior, or PVPO's V_sta
-                if anchor is None and run.pvpo is not None:
-                    anchor = run.pvpo.batch_anchors(scored)
-                adv = compute_advantages(
-                    cfg, scored.rewards, batch.group, mask, old_logp, ref_logp, anchor
-                )
-            else:
-                adv, critic_metrics = critic_step(
-                    run.critic, batch, scored.rewards, mask, old_logp, ref_logp, cfg, run.generator
-                )
-                metrics |= critic_metrics
+            step.ref_logp = ref_logp
+            # 5: the estimator on the loop's inputs and the components' (anchor, baseline,
+            # values); then the components' own work on the advantages (the critic's update)
+            step.inputs = base_inputs(cfg, scored.rewards, batch.group, mask, old_logp, ref_logp)
+            for component in components:
+                step.inputs |= component.advantage_inputs(step)
+            step.advantages = compute_advantages(cfg, step.inputs)
+            for component in components:
+                component.on_advantages(step)
+            adv = step.advantages
             # 6: policy update
             metrics |= ppo_update(
                 run.policy, run.optimizer, run.scheduler, batch, mask,
@@ -85,7 +80,7 @@ def train_step(run: Run) -> dict[str, float]:
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
         if ref_logp is not None:
             metrics["kl/ref"] = token_mean(kl(old_logp, ref_logp, cfg.kl.kind), batch.loss_mask)
-    metrics |= counters(run.state)
+    metrics |= counters(run)
     metrics |= {f"time/{name}": timer.seconds[name] for name in ("generate", "score", "update")}
     return metrics
 
@@ -104,13 +99,15 @@ def train(run: Run) -> Run:
         with ProgressBar(cfg.steps, state.step, cfg.log.progress) as bar:
             if state.step == 0 and cfg.eval.every:
                 started = time.perf_counter()
-                metrics = {**evaluate_policy(run, 0), **counters(state)}
+                metrics = {**evaluate_policy(run, 0), **counters(run)}
                 state.elapsed += time.perf_counter() - started
                 _log(sinks, bar, 0, metrics | {"time/elapsed": state.elapsed})
             while state.step < cfg.steps and not _out_of_time(cfg, state.elapsed):
-                probe = run_probe(run, state.step + 1)  # V0.5 baseline-MSE probe, when due; untimed
+                before: dict[str, float] = {}  # outside the step's clock (V0.5's probe)
+                for component in run.components.values():
+                    before |= component.before_step(state.step + 1)
                 started = time.perf_counter()
-                metrics = train_step(run) | probe
+                metrics = train_step(run) | before
                 state.step += 1
                 last = state.step == cfg.steps or _out_of_time(
                     cfg, state.elapsed + time.perf_counter() - started

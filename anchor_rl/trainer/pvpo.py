@@ -1,25 +1,25 @@
 """PVPO in the trainer (arXiv 2508.21104): static anchors, group sampling, teacher rows, refresh.
 
-The data side lives in :mod:`anchor_rl.anchors` (docs/pvpo.md); this module wires it into
-a run. Shapes: P prompts, B responses, T response tokens.
+The data side lives in :mod:`anchor_rl.anchors` (docs/pvpo.md); this module makes it a
+method component of a run (:class:`PVPO`). Shapes: P prompts, B responses, T response tokens.
 
-    run start   setup_pvpo       presample the reference M times per training prompt into the
-                                 anchor store (rows under the same key are reused), then, with
-                                 filter.kind = "group", group sampling: drop acc = 1, keep
-                                 0 < acc < 1, ask the teacher for acc = 0
-    each step   PVPO.step        every pvpo.refresh_every steps re-estimate the anchors; a
-                                 prompt's cached teacher trajectory replaces one of its N
-                                 rollouts and is scored by the task's verifier like any rollout
-                batch_anchors    V_sta of each response's prompt, for ``advantages.pvpo``
+    set-up      presample_anchors  presample the reference M times per training prompt into the
+                                   anchor store (rows under the same key are reused)
+                PVPO.build         then, with filter.kind = "group", group sampling: drop
+                                   acc = 1, keep 0 < acc < 1, ask the teacher for acc = 0
+    each step   on_rollouts        every pvpo.refresh_every steps re-estimate the anchors; a
+                                   prompt's cached teacher trajectory replaces one of its N
+                                   rollouts and is scored by the task's verifier like any rollout
+                advantage_inputs   ``anchor[B]``: V_sta of each response's prompt
 
 The reference is ``ref_model`` or the initial policy (``model`` loaded again), the same
 frozen model the KL term uses. Presampling uses the training rollout settings.
 
-Rollout accounting (``TrainState``): ``presample_rollouts`` and ``refresh_rollouts`` count
-the rollouts the anchors in use rest on (the sum of ``n`` over their prompts), whether this
-process sampled them or found them in the store, so a run's totals do not depend on the
-cache and a resumed run counts exactly what an uninterrupted one does. What this process
-really sampled is in ``RUN_DIR/pvpo.json`` and the ``pvpo/refresh_sampled`` metric. Teacher
+Rollout accounting: ``rollouts/presample`` and ``rollouts/refresh`` count the rollouts the
+anchors in use rest on (the sum of ``n`` over their prompts), whether this process sampled
+them or found them in the store, so a run's totals do not depend on the cache and a
+resumed run counts exactly what an uninterrupted one does. What this process really
+sampled is in ``RUN_DIR/pvpo.json`` and the ``pvpo/refresh_sampled`` metric. Teacher
 samples are rollouts of neither the policy nor the reference and are reported apart.
 """
 
@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -56,13 +57,14 @@ from anchor_rl.anchors.teachers import (
     teacher_batch,
     teacher_key,
 )
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
 from anchor_rl.models.spec import frozen, load_spec
 from anchor_rl.rollout.engine import HFEngine
-from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
-from anchor_rl.trainer.checkpoint import TrainState
 from anchor_rl.trainer.collect import Scored, sampling_params, score
+from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
 
@@ -73,11 +75,6 @@ the same SFT reference."""
 STORE_FILE = "anchors.db"
 RUN_FILE = "pvpo.json"
 FILTER_FILE = "pvpo_filter.json"
-
-
-def uses_pvpo(cfg: TrainConfig) -> bool:
-    """Whether a run needs presampled anchors: the PVPO advantage or group sampling."""
-    return cfg.advantage.estimator == "pvpo" or cfg.filter.kind == "group"
 
 
 def store_path(cfg: PVPOConfig) -> Path:
@@ -150,84 +147,53 @@ def refresh_due(cfg: PVPOConfig, step: int) -> bool:
 
 
 @dataclass
-class PVPO:
-    """A run's PVPO state.
+class AnchorSet:
+    """The reference's presampled anchors on a run's training prompts.
 
     key: the presample key (the reference, tokenizer, sampling settings and task).
     sampler: the reference's sampler (presampling and ``reference``-mode refreshes).
-    records: the training prompts (after group sampling).
-    anchors: prompt id -> statistics of the anchors in use (presampled or last refreshed).
-    trajectories: prompt id -> teacher trajectory, for group sampling's accuracy-0 prompts.
+    stats: prompt id -> statistics of every presampled prompt.
+    result: what the presampling call did (rollouts sampled now, prompts reused).
     """
 
-    cfg: TrainConfig
-    task: Task
-    tokenizer: PreTrainedTokenizerBase
     store: AnchorStore
     key: AnchorKey
     params: SamplingParams
     sampler: Sampler
     records: list[Record]
-    anchors: dict[str, AnchorStat]
-    trajectories: dict[str, TeacherTrajectory]
+    stats: dict[str, AnchorStat]
+    result: PresampleResult
+    seconds: float
 
-    def batch_anchors(self, scored: Scored) -> Tensor:
-        """FloatTensor[B]: the anchor of each response's prompt."""
-        return batch_anchors(self.anchors, scored)
+    @property
+    def rollouts(self) -> int:
+        """Reference rollouts the anchors rest on (the cost, cached rows included)."""
+        return anchor_rollouts(self.stats, self.records)
 
-    def step(
-        self, scored: Scored, state: TrainState, policy: PreTrainedModel
-    ) -> tuple[Scored, dict[str, float]]:
-        """The step's PVPO work on its scored rollouts: the refresh when due, teacher rows.
-
-        ``state.step`` is the number of completed steps; the refreshed anchors serve this
-        step onwards. Returns the batch with teacher rows and the ``pvpo/*`` metrics.
-        """
-        metrics = self.refresh(state, policy) if refresh_due(self.cfg.pvpo, state.step) else {}
-        scored = inject_teachers(scored, self.trajectories, self.task, self.cfg)
-        metrics["pvpo/teacher_rows"] = float(scored.off_policy.sum())
-        if len(scored):
-            metrics["pvpo/anchor_mean"] = self.batch_anchors(scored).mean().item()
-        return scored, metrics
-
-    def refresh(self, state: TrainState, policy: PreTrainedModel) -> dict[str, float]:
-        """Re-estimate the anchors of the training prompts at ``state.step`` (``pvpo.refresh_mode``).
-
-        ``policy`` mode samples the current policy; the refresh key carries its weight
-        fingerprint, so a resumed run finds the rows it stored before and samples nothing.
-        """
-        pc = self.cfg.pvpo
-        started = time.perf_counter()
-        if pc.refresh_mode == "policy":
-            sampler: Sampler = RolloutSampler(
-                HFEngine(policy, self.tokenizer), self.task, self.params
-            )
-            fingerprint = fingerprint_model(policy)
-        else:
-            sampler, fingerprint = self.sampler, None
-        result = refresh_anchors(
-            self.records, sampler, self.store, self.key, pc.refresh_mode, state.step, pc.m,
-            model_fingerprint=fingerprint, batch_size=pc.presample_batch, seed=PRESAMPLE_SEED,
-        )  # fmt: skip
-        self.anchors = result.anchors
-        state.anchor_key = result.key.digest
-        state.refresh_rollouts += anchor_rollouts(result.anchors, self.records)
-        return {
-            "pvpo/refresh_sampled": float(result.rollouts),
-            "pvpo/refresh_seconds": time.perf_counter() - started,
-        }
+    def means(self) -> dict[str, float]:
+        """Prompt id -> the anchor ``V_sta`` (mean reward of the reference's rollouts)."""
+        return {pid: stat.mean for pid, stat in self.stats.items()}
 
 
-def load_reference(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The frozen initial policy (``ref_model`` or ``model`` loaded again), as the KL term's."""
-    model, ref_tokenizer = load_spec(
-        cfg.ref_model or cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
+def presample_anchors(setup: Setup) -> AnchorSet:
+    """Presample the reference ``pvpo.m`` times on every training prompt (rows already in
+    ``pvpo.store`` under the same key are reused)."""
+    cfg, task, tokenizer = setup.cfg, setup.task, setup.tokenizer
+    reference = setup.get_reference()
+    started = time.perf_counter()
+    params = presample_params(cfg, task)
+    key = reference_key(cfg, task, tokenizer, reference)
+    store = AnchorStore(store_path(cfg.pvpo))
+    sampler = RolloutSampler(HFEngine(reference, tokenizer), task, params)
+    pc = cfg.pvpo
+    records = list(setup.records)
+    result = presample(
+        records, sampler, store, key, pc.m, pc.presample_batch, PRESAMPLE_SEED, cfg.log.progress
     )
-    if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
-            "the reference's tokenizer differs from the policy's; PVPO anchors need the same vocabulary"
-        )
-    return frozen(model)
+    stats = store.get_anchors(key, [r.id for r in records])
+    return AnchorSet(
+        store, key, params, sampler, records, stats, result, time.perf_counter() - started
+    )
 
 
 def build_teacher(
@@ -256,81 +222,136 @@ def build_teacher(
     return OpenAITeacher(target, pc.teacher_model, task, tokenizer, params, tries=pc.teacher_tries)
 
 
-def setup_pvpo(
-    cfg: TrainConfig,
-    run_dir: Path,
-    task: Task,
-    records: Sequence[Record],
-    tokenizer: PreTrainedTokenizerBase,
-    reference: PreTrainedModel | None,
-    state: TrainState,
-) -> PVPO:
-    """Presample the reference on ``records`` (the train split) and apply group sampling.
+class PVPO(Component):
+    """PVPO's static anchors, group sampling, teacher rows and refreshes in a run.
 
-    ``reference`` is the run's frozen KL reference, or None to load it (``ref_model`` or
-    ``model`` again) for runs without a KL term.
-
-    A new run (``state.anchor_key`` unset) records the presample cost and the anchors' key
-    in ``state`` and writes ``RUN_DIR/pvpo.json`` (and ``pvpo_filter.json`` with group
-    sampling, also printed beside the paper's distributions). A resumed run finds every
-    row in the store (presampling and the teacher then cost nothing) and continues with
-    the anchors ``state.anchor_key`` names, those of its last refresh if any.
+    records: the training prompts (after group sampling).
+    anchors: prompt id -> statistics of the anchors in use (presampled or last refreshed),
+        stored under ``anchor_key``.
+    trajectories: prompt id -> teacher trajectory, for group sampling's accuracy-0 prompts.
     """
-    pc, progress = cfg.pvpo, cfg.log.progress
-    reference = reference if reference is not None else load_reference(cfg, tokenizer)
-    started = time.perf_counter()
-    params = presample_params(cfg, task)
-    key = reference_key(cfg, task, tokenizer, reference)
-    store = AnchorStore(store_path(pc))
-    sampler = RolloutSampler(HFEngine(reference, tokenizer), task, params)
-    result = presample(
-        records, sampler, store, key, pc.m, pc.presample_batch, PRESAMPLE_SEED, progress
+
+    name = "pvpo"
+
+    def __init__(self, setup: Setup, anchor_set: AnchorSet) -> None:
+        """Group sampling on ``anchor_set`` (with ``filter.kind = "group"``), then the anchors
+        of the kept prompts. A new run writes ``RUN_DIR/pvpo.json`` (and ``pvpo_filter.json``
+        with group sampling, also printed beside the paper's distributions)."""
+        cfg = setup.cfg
+        self.cfg, self.task, self.tokenizer = cfg, setup.task, setup.tokenizer
+        self.policy, self.set = setup.policy, anchor_set
+        self.records, self.trajectories = list(anchor_set.records), {}
+        filtered = None
+        if cfg.filter.kind == "group":
+            filtered = _group_sampling(setup, anchor_set)
+            self.records, self.trajectories = filtered.records, filtered.trajectories
+        self.presample_rollouts, self.refresh_rollouts = anchor_set.rollouts, 0
+        self._use(anchor_set.key.digest)
+        if not setup.resuming:
+            write_presample_report(setup.run_dir, cfg, anchor_set, self.records, filtered)
+        if cfg.log.progress:
+            console = Console()
+            if filtered is not None and not setup.resuming:
+                filtered.print(console)
+            result = anchor_set.result
+            console.print(
+                f"PVPO: {len(anchor_set.records)} prompts x M={cfg.pvpo.m} presampled in "
+                f"{anchor_set.seconds:.1f}s ({result.rollouts} rollouts sampled now, "
+                f"{result.prompts_reused} prompts reused) -> {len(self.records)} training "
+                f"prompts; store {anchor_set.store.path}"
+            )
+
+    def _use(self, digest: str) -> None:
+        """Train against the anchors stored under ``digest`` (presampled or refreshed)."""
+        store = self.set.store
+        anchors = store.get_anchors(digest, [r.id for r in self.records])
+        if len(anchors) < len(self.records):
+            raise RuntimeError(
+                f"{len(self.records) - len(anchors)} training prompts have no anchors under "
+                f"{digest} in {store.path}, the anchors this run was using; it cannot continue "
+                "without them"
+            )
+        self.anchor_key, self.anchors = digest, anchors
+
+    def training_records(self, records: list[Record]) -> list[Record]:
+        return self.records
+
+    def on_rollouts(self, step: Step) -> None:
+        """The refresh when due (the refreshed anchors serve this step onwards), then teacher
+        rows; adds the ``pvpo/*`` metrics."""
+        metrics = self.refresh(step.index - 1) if refresh_due(self.cfg.pvpo, step.index - 1) else {}
+        step.scored = inject_teachers(step.scored, self.trajectories, self.task, self.cfg)
+        metrics["pvpo/teacher_rows"] = float(step.scored.off_policy.sum())
+        if len(step.scored):
+            metrics["pvpo/anchor_mean"] = self.batch_anchors(step.scored).mean().item()
+        step.metrics |= metrics
+
+    def batch_anchors(self, scored: Scored) -> Tensor:
+        """FloatTensor[B]: the anchor of each response's prompt."""
+        return batch_anchors(self.anchors, scored)
+
+    def advantage_inputs(self, step: Step) -> dict[str, Any]:
+        return {"anchor": self.batch_anchors(step.scored)}
+
+    def refresh(self, completed: int) -> dict[str, float]:
+        """Re-estimate the anchors of the training prompts after ``completed`` steps
+        (``pvpo.refresh_mode``).
+
+        ``policy`` mode samples the current policy; the refresh key carries its weight
+        fingerprint, so a resumed run finds the rows it stored before and samples nothing.
+        """
+        pc = self.cfg.pvpo
+        started = time.perf_counter()
+        if pc.refresh_mode == "policy":
+            sampler: Sampler = RolloutSampler(
+                HFEngine(self.policy, self.tokenizer), self.task, self.set.params
+            )
+            fingerprint = fingerprint_model(self.policy)
+        else:
+            sampler, fingerprint = self.set.sampler, None
+        result = refresh_anchors(
+            self.records, sampler, self.set.store, self.set.key, pc.refresh_mode, completed,
+            pc.m, model_fingerprint=fingerprint, batch_size=pc.presample_batch,
+            seed=PRESAMPLE_SEED,
+        )  # fmt: skip
+        self.anchor_key, self.anchors = result.key.digest, result.anchors
+        self.refresh_rollouts += anchor_rollouts(result.anchors, self.records)
+        return {
+            "pvpo/refresh_sampled": float(result.rollouts),
+            "pvpo/refresh_seconds": time.perf_counter() - started,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "anchor_key": self.anchor_key,
+            "presample_rollouts": self.presample_rollouts,
+            "refresh_rollouts": self.refresh_rollouts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue with the anchors the run was using (those of its last refresh, if any)."""
+        self.presample_rollouts = int(state["presample_rollouts"])
+        self.refresh_rollouts = int(state["refresh_rollouts"])
+        self._use(state["anchor_key"])
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "rollouts/presample": float(self.presample_rollouts),
+            "rollouts/refresh": float(self.refresh_rollouts),
+        }
+
+
+def _group_sampling(setup: Setup, anchor_set: AnchorSet) -> FilterResult:
+    cfg, task = setup.cfg, setup.task
+    teacher = build_teacher(
+        cfg, task, setup.tokenizer, setup.get_reference(), anchor_set.params
     )
-    stats = store.get_anchors(key, [r.id for r in records])
-    train, trajectories, filtered = list(records), {}, None
-    if cfg.filter.kind == "group":
-        filtered = _group_sampling(cfg, task, tokenizer, reference, params, store, records, stats)
-        train, trajectories = filtered.records, filtered.trajectories
-    seconds = time.perf_counter() - started
-    new_run = state.anchor_key is None
-    if new_run:
-        state.anchor_key = key.digest
-        state.presample_rollouts = anchor_rollouts(stats, records)
-        _write_run_file(run_dir, cfg, store, key, result, stats, records, train, seconds, filtered)
-    anchors = store.get_anchors(state.anchor_key, [r.id for r in train])
-    if len(anchors) < len(train):
-        raise RuntimeError(
-            f"{len(train) - len(anchors)} training prompts have no anchors under {state.anchor_key} "
-            f"in {store.path}, the anchors this run was using; it cannot continue without them"
-        )
-    if progress:
-        console = Console()
-        if filtered is not None and new_run:
-            filtered.print(console)
-        console.print(
-            f"PVPO: {len(records)} prompts x M={pc.m} presampled in {seconds:.1f}s "
-            f"({result.rollouts} rollouts sampled now, {result.prompts_reused} prompts reused) "
-            f"-> {len(train)} training prompts; store {store.path}"
-        )
-    return PVPO(cfg, task, tokenizer, store, key, params, sampler, train, anchors, trajectories)
-
-
-def _group_sampling(
-    cfg: TrainConfig,
-    task: Task,
-    tokenizer: PreTrainedTokenizerBase,
-    reference: PreTrainedModel,
-    params: SamplingParams,
-    store: AnchorStore,
-    records: Sequence[Record],
-    stats: Mapping[str, AnchorStat],
-) -> FilterResult:
-    teacher = build_teacher(cfg, task, tokenizer, reference, params)
     task_id = task_identity(cfg.task, task, cfg.task_args)
     tkey = None if teacher is None else teacher_key(teacher, task_id)
+    records = anchor_set.records
     result = group_filter(
-        records, stats, teacher=teacher, store=store if teacher else None, key=tkey,
-        keep_unsolved=cfg.pvpo.keep_unsolved, progress=cfg.log.progress,
+        records, anchor_set.stats, teacher=teacher, store=anchor_set.store if teacher else None,
+        key=tkey, keep_unsolved=cfg.pvpo.keep_unsolved, progress=cfg.log.progress,
     )  # fmt: skip
     if not result.records:
         raise ValueError(
@@ -342,32 +363,28 @@ def _group_sampling(
     return result
 
 
-def _write_run_file(
+def write_presample_report(
     run_dir: Path,
     cfg: TrainConfig,
-    store: AnchorStore,
-    key: AnchorKey,
-    result: PresampleResult,
-    stats: Mapping[str, AnchorStat],
-    records: Sequence[Record],
+    anchor_set: AnchorSet,
     train: Sequence[Record],
-    seconds: float,
     filtered: FilterResult | None,
 ) -> None:
     """``pvpo.json``: what presampling did and cost; ``pvpo_filter.json``: group sampling's stats."""
+    stats, records, result = anchor_set.stats, anchor_set.records, anchor_set.result
     values = [stats[r.id] for r in records]
     summary = {
-        "store": str(store.path),
-        "key": key.digest,
+        "store": str(anchor_set.store.path),
+        "key": anchor_set.key.digest,
         "m": cfg.pvpo.m,
         "prompts": len(records),
         "training_prompts": len(train),
         "presample": {
-            "rollouts": anchor_rollouts(stats, records),
+            "rollouts": anchor_set.rollouts,
             "rollouts_sampled_now": result.rollouts,
             "prompts_sampled_now": result.prompts_sampled,
             "prompts_reused": result.prompts_reused,
-            "seconds": seconds,
+            "seconds": anchor_set.seconds,
         },
         "reference_accuracy": sum(s.accuracy for s in values) / len(values),
         "anchor_mean": sum(s.mean for s in values) / len(values),

@@ -1,5 +1,6 @@
-"""A run's live objects (policy, reference, optimizer, prompt stream, RNG, counters), how
-they are built for a new run or restored from its last checkpoint, and held-out evaluation.
+"""A run's live objects (policy, reference, optimizer, prompt stream, RNG, counters, method
+components), how they are built for a new run or restored from its last checkpoint, and
+held-out evaluation.
 
 Run directory layout::
 
@@ -21,19 +22,23 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl.algos.registry import get_estimator
 from anchor_rl.models.loading import load_policy
-from anchor_rl.models.spec import frozen, load_spec, quiet_transformers
+from anchor_rl.models.spec import load_spec, quiet_transformers
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks import get_task
 from anchor_rl.tasks.base import Task
 from anchor_rl.trainer import checkpoint
+from anchor_rl.trainer.component import Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
-from anchor_rl.trainer.critic import CriticState, load_critic, start_critic
+from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.pvpo import PVPO, setup_pvpo, uses_pvpo
-from anchor_rl.trainer.v05 import V05State, build_v05
+from anchor_rl.trainer.pvpo import PVPO, presample_anchors
+from anchor_rl.trainer.state import TrainState
+from anchor_rl.trainer.v05 import V05
+from anchor_rl.trainer.v05_probe import V05Probe
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -56,21 +61,16 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
     generator: torch.Generator
-    state: checkpoint.TrainState
-    critic: CriticState | None = None
-    """The critic and its optimiser (PPO, VAPO: ``advantage.estimator = "gae"``)."""
-    pvpo: PVPO | None = None
-    """PVPO's anchors, training prompts and teacher trajectories (``anchor_rl.trainer.pvpo``)."""
-    v05: V05State | None = None
-    """V0.5's prior (``advantage.estimator = "v05"``, ``anchor_rl.trainer.v05``)."""
+    state: TrainState
+    components: dict[str, Component]
+    """The method components (:func:`build_components`), in the order the loop calls them."""
 
     def save(self) -> Path:
         """Checkpoint the current step."""
         self.state.consumed = self.sampler.consumed
         return checkpoint.save_checkpoint(
             self.run_dir, self.state, self.policy, self.tokenizer, self.optimizer,
-            self.scheduler, self.generator, self.cfg.checkpoint.keep, critic=self.critic,
-            v05=self.v05,
+            self.scheduler, self.generator, self.cfg.checkpoint.keep, self.components,
         )  # fmt: skip
 
 
@@ -86,9 +86,7 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
         cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
     )
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    run = _assemble(cfg, run_dir, task, policy, tokenizer, checkpoint.TrainState())
-    run.critic = start_critic(cfg, policy, run.engine, task, run_dir, run.state)  # + pretraining
-    return run
+    return _assemble(cfg, run_dir, task, policy, tokenizer, TrainState())
 
 
 def resume_run(run_dir: Path, overrides: dict[str, object] | None = None) -> Run:
@@ -118,11 +116,9 @@ def resume_run(run_dir: Path, overrides: dict[str, object] | None = None) -> Run
 
     with quiet_transformers():
         policy, tokenizer = load_policy(path / "policy", device=cfg.device)
-    run = _assemble(cfg, run_dir, task, policy, tokenizer, state)
+    run = _assemble(cfg, run_dir, task, policy, tokenizer, state, resuming=True)
     checkpoint.load_training_states(path, run.optimizer, run.scheduler, run.generator)
-    run.critic = load_critic(cfg, path, run.policy)
-    if run.v05 is not None:
-        run.v05.load(path)
+    checkpoint.load_components(path, run.components)
     return run
 
 
@@ -176,18 +172,22 @@ def evaluate_model(
     return metrics
 
 
-def counters(state: checkpoint.TrainState) -> dict[str, float]:
-    """The cumulative counters as metrics; ``rollouts/total`` adds PVPO's presample and refresh
-    rollouts and VAPO's value-pretraining rollouts to the policy's ``rollouts/cumulative``."""
-    extra = state.presample_rollouts + state.refresh_rollouts + state.value_pretrain_rollouts
-    return {
-        "rollouts/cumulative": float(state.rollouts),
-        "tokens/cumulative": float(state.tokens),
-        "rollouts/presample": float(state.presample_rollouts),
-        "rollouts/refresh": float(state.refresh_rollouts),
-        "rollouts/value_pretrain": float(state.value_pretrain_rollouts),
-        "rollouts/total": float(state.rollouts + extra),
+def counters(run: Run) -> dict[str, float]:
+    """The cumulative counters as metrics: the policy's ``rollouts/cumulative`` and
+    ``tokens/cumulative``, each component's (PVPO's ``rollouts/presample`` and
+    ``rollouts/refresh``, VAPO's ``rollouts/value_pretrain``...), and ``rollouts/total``,
+    the policy's rollouts plus every component's ``rollouts/*``."""
+    out = {
+        "rollouts/cumulative": float(run.state.rollouts),
+        "tokens/cumulative": float(run.state.tokens),
     }
+    total = float(run.state.rollouts)
+    for component in run.components.values():
+        extra = component.counters()
+        total += sum(v for k, v in extra.items() if k.startswith("rollouts/"))
+        out |= extra
+    out["rollouts/total"] = total
+    return out
 
 
 def write_summary(run: Run, last: dict[str, float]) -> None:
@@ -196,37 +196,48 @@ def write_summary(run: Run, last: dict[str, float]) -> None:
     (run.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
 
+def build_components(setup: Setup) -> dict[str, Component]:
+    """The run's method components, in the order the loop calls them.
+
+    A component is built when the estimator reads an input only it supplies, or when its
+    own settings ask for it:
+
+    =============  ====================================================================
+    ``v05``        the estimator reads ``baseline`` (``advantage.estimator = "v05"``)
+    ``v05_probe``  the ``v05`` component is there and ``v05.probe_every > 0``
+    ``pvpo``       the estimator reads ``anchor``, or ``filter.kind = "group"``
+    ``critic``     the estimator reads ``values`` (``gae``: PPO, VAPO)
+    =============  ====================================================================
+
+    Order: V0.5 acts on a step's rollouts before PVPO injects teacher rows (its fusion and
+    prior see the policy's own rollouts only); the critic comes last.
+    """
+    cfg = setup.cfg
+    reads = set(get_estimator(cfg.advantage.estimator).inputs)
+    pvpo = None
+    if "anchor" in reads or cfg.filter.kind == "group":
+        pvpo = PVPO(setup, presample_anchors(setup))
+    components: dict[str, Component] = {}
+    if "baseline" in reads:
+        v05 = components["v05"] = V05(setup, pvpo)
+        if cfg.v05.probe_every:
+            components["v05_probe"] = V05Probe(setup, v05)
+    if pvpo is not None:
+        components["pvpo"] = pvpo
+    if "values" in reads:
+        components["critic"] = PPOCritic(setup)
+    return components
+
+
 def _assemble(
     cfg: TrainConfig,
     run_dir: Path,
     task: Task,
     policy: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    state: checkpoint.TrainState,
+    state: TrainState,
+    resuming: bool = False,
 ) -> Run:
-    ref = None
-    if cfg.needs_ref:
-        # The frozen initial policy: the same spec loaded again (deterministic for every spec).
-        model, ref_tokenizer = load_spec(
-            cfg.ref_model or cfg.model,
-            cfg.task,
-            cfg.task_args,
-            cfg.seed,
-            cfg.device,
-            cfg.log.progress,
-        )
-        if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(
-                "ref_model's tokenizer differs from the policy's; KL needs the same vocabulary"
-            )
-        ref = frozen(model)
-    records = task.records("train")[: cfg.train_prompts]
-    # PVPO: presample the reference (anchor store) and, with group sampling, filter the prompts
-    pvpo = (
-        setup_pvpo(cfg, run_dir, task, records, tokenizer, ref, state) if uses_pvpo(cfg) else None
-    )
-    # V0.5: the prior (its anchor base presampled like PVPO's when the run has no anchors yet)
-    v05 = build_v05(cfg, run_dir, task, records, tokenizer, ref, state, pvpo)
     oc = cfg.optim
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=oc.lr, betas=oc.betas, weight_decay=oc.weight_decay
@@ -235,6 +246,24 @@ def _assemble(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
     )
+    setup = Setup(
+        cfg=cfg,
+        run_dir=run_dir,
+        task=task,
+        records=task.records("train")[: cfg.train_prompts],
+        policy=policy,
+        tokenizer=tokenizer,
+        engine=HFEngine(policy, tokenizer),
+        generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
+        resuming=resuming,
+    )
+    # The frozen initial policy of the KL term (also PVPO's reference): the same spec loaded
+    # again (deterministic for every spec); without a KL term, loaded when a component asks.
+    ref = setup.get_reference() if cfg.needs_ref else None
+    components = build_components(setup)
+    records = setup.records
+    for component in components.values():
+        records = component.training_records(records)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -242,14 +271,13 @@ def _assemble(
         policy=policy,
         tokenizer=tokenizer,
         ref=ref,
-        engine=HFEngine(policy, tokenizer),
+        engine=setup.engine,
         optimizer=optimizer,
         scheduler=scheduler,
-        sampler=PromptSampler(records if pvpo is None else pvpo.records, cfg.seed, state.consumed),
-        generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
+        sampler=PromptSampler(records, cfg.seed, state.consumed),
+        generator=setup.generator,
         state=state,
-        pvpo=pvpo,
-        v05=v05,
+        components=components,
     )
 
 

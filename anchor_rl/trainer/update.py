@@ -17,14 +17,14 @@ its value loss there.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from anchor_rl.algos.losses import agg, kl, nll, policy_loss
+from anchor_rl.algos.losses import agg, kl, nll
+from anchor_rl.algos.registry import get_policy_loss
+from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.models.scoring import token_logprobs
-from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.trainer.config import TrainConfig
 
 
@@ -99,14 +99,15 @@ def loss_terms(
     """The loss terms of one (micro-)batch, each multiplied by its coefficient, and the
     policy-loss metrics. Tensors are ``[b, T]`` except ``correct`` (BoolTensor[b]).
 
-    Terms: ``policy`` (clipped surrogate), ``kl`` (coef * KL to the reference, when the KL
+    Terms: ``policy`` (the registered ``loss.policy_loss``, the clipped surrogate by default), ``kl`` (coef * KL to the reference, when the KL
     is in the loss), ``nll`` (VAPO's NLL on correct responses, when ``loss.nll_coef > 0``).
     """
     lc = cfg.loss
     norm = float(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant: the generation budget
-    pg, metrics = policy_loss(
-        logp, old_logp, adv, mask, lc.clip_low, lc.clip_high, lc.clip_c, lc.agg, norm_const=norm
-    )
+    pg, metrics = get_policy_loss(lc.policy_loss)(
+        logp, old_logp, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
+        clip_c=lc.clip_c, agg=lc.agg, norm_const=norm,
+    )  # fmt: skip
     terms = {"policy": pg}
     if cfg.kl.coef > 0 and not cfg.kl.in_reward:
         if ref_logp is None:
@@ -115,20 +116,6 @@ def loss_terms(
     if lc.nll_coef > 0:
         terms["nll"] = lc.nll_coef * nll(logp, mask, correct)
     return terms, metrics
-
-
-def minibatches(
-    n: int, epochs: int, mini_batches: int, generator: torch.Generator
-) -> Iterator[Tensor]:
-    """Row indices of ``n`` responses for each optimiser step: ``epochs`` passes, each split
-    into ``mini_batches`` parts (shuffled with ``generator`` when there are several, in
-    order otherwise; a part may be empty when ``mini_batches > n``)."""
-    for _ in range(epochs):
-        if mini_batches > 1:
-            order = torch.randperm(n, generator=generator, device=generator.device).cpu()
-        else:
-            order = torch.arange(n)
-        yield from torch.tensor_split(order, mini_batches)
 
 
 def ppo_update(

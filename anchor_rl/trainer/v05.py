@@ -4,10 +4,11 @@ rollouts reject it, and the fused baseline. The knobs are in :mod:`.v05_config`.
 Shapes: G prompts (groups) kept this step, B responses, k[G] responses per prompt (ragged
 after top-ups).
 
-    run start   build_v05    the prior; the `anchor` base reads PVPO's presampled anchors
+    run start   V05          the prior; the `anchor` base reads PVPO's presampled anchors
                              (anchor_rl.trainer.pvpo, pvpo.m rollouts of the reference per
                              training prompt in the anchor store)
-    each step   v05_stage    between the filter and the log-probs:
+    each step   on_rollouts  between the filter and the log-probs (before PVPO's teacher
+                             rows are injected, see below):
                  1 the prior predicts each prompt's expected reward V[G] (knn: from the
                    policy's mean-pooled hidden states of the prompt)
                  2 with rollout.budget = "adaptive": up to v05.top_up_rounds rounds, each
@@ -16,7 +17,12 @@ after top-ups).
                    rejected get any; at most v05.k_max per prompt)
                  3 fusion of all the prompt's rollouts with V (algos.v05.fuse): b[G]
                  4 the prior learns the step's rewards, top-ups included
-                advantage    r - b[prompt] for every response of the prompt (no std)
+                advantage_inputs   ``baseline[B]``: b of each response's prompt; the
+                             ``v05`` estimator's advantage is r - b (no std)
+
+With PVPO's group sampling in the same run, V0.5 acts first: the fusion and the prior's
+update see the policy's own rollouts only (top-ups included); a teacher row then replaces
+one of them, and its prompt's baseline b is the one fused without it.
 
 Rewards must lie in ``v05.reward_range``, the priors' units. ``sigma^2`` is the paper's
 worst case ``((hi - lo)/2)^2`` or the Bernoulli variance at the prior ``(V - lo)(hi - V)``;
@@ -30,35 +36,28 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from anchor_rl.algos import v05 as v05_math
 from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
-from anchor_rl.models.spec import frozen, load_spec
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.rollout.engine import HFEngine
-from anchor_rl.rollout.types import RolloutBatch
-from anchor_rl.tasks.base import Record, Task
-from anchor_rl.trainer.checkpoint import TrainState
+from anchor_rl.tasks.base import Task
 from anchor_rl.trainer.collect import Scored, collect_metrics, sampling_params, score
+from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.pvpo import PVPO, setup_pvpo
+from anchor_rl.trainer.pvpo import PVPO, presample_anchors, write_presample_report
 from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.v05_config import V05Config
-
-if TYPE_CHECKING:
-    from anchor_rl.trainer.run import Run
 
 PAPER_COST = 0.0039
 """The V0.5 paper's budget cost per rollout, for +-1 rewards."""
 NEAR_ONE = 0.9
 """``v05/weight_near1_frac`` counts fusion weights at or above this."""
-STATE_FILE = "v05.pt"
-"""The prior's state in a checkpoint directory."""
 
 
 # --- fusion and budget on a step's rows ---------------------------------------------------
@@ -174,69 +173,6 @@ def build_prior(vc: V05Config, anchors: Mapping[str, float] | None = None) -> Pr
     if base is None or layered:
         return HistoryPrior(base, vc.history_strength, vc.history_gamma, reward_range=rr)
     return base
-
-
-@dataclass
-class V05State:
-    """What V0.5 carries across steps.
-
-    prior: the prior; it learns each step's rewards and is checkpointed (``STATE_FILE``).
-    anchors: prompt id -> the reference's mean reward (PVPO's ``V_sta``) of the training
-        prompts, when the prior's base is the anchor; None otherwise.
-    """
-
-    prior: Prior
-    anchors: dict[str, float] | None = None
-
-    def save(self, checkpoint_dir: Path) -> None:
-        """Write the prior (pickled whole: its evidence, context and clock) into a checkpoint."""
-        torch.save({"prior": self.prior}, Path(checkpoint_dir) / STATE_FILE)
-
-    def load(self, checkpoint_dir: Path) -> None:
-        """Restore the prior a checkpoint holds."""
-        path = Path(checkpoint_dir) / STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} missing: the checkpoint holds no V0.5 prior state")
-        # the file is one the run itself wrote; priors are plain Python objects
-        self.prior = torch.load(path, weights_only=False)["prior"]
-
-
-def build_v05(
-    cfg: TrainConfig,
-    run_dir: Path,
-    task: Task,
-    records: Sequence[Record],
-    tokenizer: PreTrainedTokenizerBase,
-    reference: PreTrainedModel | None,
-    state: TrainState,
-    pvpo: PVPO | None,
-) -> V05State | None:
-    """A run's V0.5 state (None unless ``advantage.estimator = "v05"``).
-
-    The ``anchor`` base takes the anchors of ``pvpo`` when the run already has them (group
-    sampling), and otherwise presamples them the way PVPO does (``setup_pvpo``: ``pvpo.m``
-    rollouts of ``reference`` per record of ``records``, rows reused from ``pvpo.store``,
-    their cost in ``state.presample_rollouts``). ``reference`` None loads ``ref_model`` or
-    ``model`` again.
-    """
-    if cfg.advantage.estimator != "v05":
-        return None
-    anchors = None
-    if uses_anchors(cfg.v05):
-        if pvpo is None:
-            if reference is None:
-                reference = load_reference(cfg)
-            pvpo = setup_pvpo(cfg, run_dir, task, records, tokenizer, reference, state)
-        anchors = {pid: stat.mean for pid, stat in pvpo.anchors.items()}
-    return V05State(prior=build_prior(cfg.v05, anchors), anchors=anchors)
-
-
-def load_reference(cfg: TrainConfig) -> PreTrainedModel:
-    """The frozen initial policy: ``ref_model`` or ``model`` loaded again."""
-    model, _ = load_spec(
-        cfg.ref_model or cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
-    )
-    return frozen(model)
 
 
 def first_rows(group: Tensor, groups: int) -> list[int]:
@@ -371,31 +307,85 @@ def fusion_metrics(first: Fusion, last: Fusion, rounds: int) -> dict[str, float]
 # --- the stage ---------------------------------------------------------------------------
 
 
-def v05_stage(
-    run: Run, scored: Scored, metrics: Mapping[str, float], timer: Timer
-) -> tuple[Scored, Tensor | None, dict[str, float]]:
-    """Prior -> top-up rounds -> fusion -> prior update, on the kept groups.
+class V05(Component):
+    """V0.5's prior, top-up rollouts and fused baseline in a run (see the module docstring).
 
-    Returns the rows (top-ups merged in, sorted by group), the fused baseline of each row's
-    prompt ``[B]`` for ``advantages.pvpo``-style ``r - b`` (None when the run is not V0.5 or
-    kept no group), and the step's metrics: ``metrics`` with the top-up responses pooled
-    into the response statistics and counts, plus ``v05/*``.
+    prior: the prior; it learns each step's rewards and is checkpointed (plain data).
+    anchors: prompt id -> the reference's mean reward (PVPO's ``V_sta``) of the training
+        prompts, when the prior's base is the anchor; None otherwise.
+    records: the training prompts (after PVPO's group sampling when the run has it).
     """
-    state, cfg = run.v05, run.cfg
-    if state is None or len(scored) == 0:
-        return scored, None, dict(metrics)
-    vc, g = cfg.v05, len(scored.records)
-    check_rewards(scored.rewards, vc)
-    ids = [r.id for r in scored.records]
-    emb = embed_groups(run.policy, scored.batch, g) if uses_embeddings(vc) else None
-    prior = state.prior.predict(ids, emb)
-    first = fuse_groups(scored.rewards, scored.batch.group, prior, vc)
-    added: list[Scored] = []
-    if cfg.rollout.budget == "adaptive":
-        scored, added = top_up(run.engine, run.task, cfg, scored, prior, run.generator, timer)
+
+    name = "v05"
+
+    def __init__(self, setup: Setup, pvpo: PVPO | None = None) -> None:
+        """The ``anchor`` base takes the anchors of ``pvpo`` when the run has that component,
+        and otherwise presamples them the way PVPO does (``pvpo.m`` rollouts of the
+        reference per training prompt, rows reused from ``pvpo.store``; their cost is this
+        component's ``rollouts/presample``)."""
+        cfg = setup.cfg
+        self.cfg, self.task, self.policy = cfg, setup.task, setup.policy
+        self.engine, self.generator = setup.engine, setup.generator
+        self.records = pvpo.records if pvpo is not None else list(setup.records)
+        self.anchors: dict[str, float] | None = None
+        self.presample_rollouts: int | None = None
+        self.fused: Tensor | None = None  # [G] the step's fused baseline per group
+        if uses_anchors(cfg.v05):
+            if pvpo is not None:
+                self.anchors = {pid: stat.mean for pid, stat in pvpo.anchors.items()}
+            else:
+                anchor_set = presample_anchors(setup)
+                if not setup.resuming:
+                    write_presample_report(setup.run_dir, cfg, anchor_set, self.records, None)
+                self.anchors = anchor_set.means()
+                self.presample_rollouts = anchor_set.rollouts
+        self.prior = build_prior(cfg.v05, self.anchors)
+
+    def on_rollouts(self, step: Step) -> None:
+        """Prior -> top-up rounds -> fusion -> prior update, on the kept groups.
+
+        Replaces ``step.scored`` by the rows with the top-ups merged in (sorted by group),
+        pools the top-up responses into the response statistics and counts, and adds
+        ``v05/*``. The fused baseline of each group is kept for :meth:`advantage_inputs`.
+        """
+        self.fused = None
+        scored = step.scored
+        if len(scored) == 0:
+            return
+        cfg = self.cfg
+        vc, g = cfg.v05, len(scored.records)
         check_rewards(scored.rewards, vc)
-    last = fuse_groups(scored.rewards, scored.batch.group, prior, vc) if added else first
-    group = scored.batch.group
-    state.prior.update(ids, [scored.rewards[group == i] for i in range(g)], emb)
-    out = pool_response_metrics(metrics, added) | fusion_metrics(first, last, len(added))
-    return scored, last.baseline.float()[group], out
+        ids = [r.id for r in scored.records]
+        emb = embed_groups(self.policy, scored.batch, g) if uses_embeddings(vc) else None
+        prior = self.prior.predict(ids, emb)
+        first = fuse_groups(scored.rewards, scored.batch.group, prior, vc)
+        added: list[Scored] = []
+        if cfg.rollout.budget == "adaptive":
+            scored, added = top_up(
+                self.engine, self.task, cfg, scored, prior, self.generator, step.timer
+            )
+            check_rewards(scored.rewards, vc)
+        last = fuse_groups(scored.rewards, scored.batch.group, prior, vc) if added else first
+        group = scored.batch.group
+        self.prior.update(ids, [scored.rewards[group == i] for i in range(g)], emb)
+        step.metrics = pool_response_metrics(step.metrics, added) | fusion_metrics(
+            first, last, len(added)
+        )
+        step.scored, self.fused = scored, last.baseline.float()
+
+    def advantage_inputs(self, step: Step) -> dict[str, Any]:
+        """``baseline[B]``: the fused baseline of each response's prompt."""
+        if self.fused is None:
+            return {}
+        return {"baseline": self.fused[step.scored.batch.group]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prior": self.prior.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prior.load_state_dict(state["prior"])
+
+    def counters(self) -> dict[str, float]:
+        if self.presample_rollouts is None:
+            return {}
+        return {"rollouts/presample": float(self.presample_rollouts)}

@@ -11,12 +11,9 @@ the rollouts reject the prior.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from anchor_rl.trainer.config import TrainConfig
 
 PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
 
@@ -69,29 +66,3 @@ class V05Config(BaseModel):
     0 skips that part."""
     probe_heldout_truth: int = Field(32, gt=1)
     """Probe: ground-truth rollouts per held-out prompt."""
-
-
-def config_errors(cfg: TrainConfig) -> list[str]:
-    """What is inconsistent between the V0.5 knobs and the rest of the config (empty: nothing)."""
-    errors = []
-    vc, estimator = cfg.v05, cfg.advantage.estimator
-    if cfg.rollout.budget == "adaptive" and estimator != "v05":
-        errors.append(
-            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
-            f'advantage.estimator="v05" (got {estimator!r})'
-        )
-    if vc.probe_every and estimator != "v05":
-        errors.append(f'v05.probe_every needs advantage.estimator="v05" (got {estimator!r})')
-    if estimator != "v05":
-        return errors
-    if cfg.rollout.n > vc.k_max:
-        errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
-    lo, hi = vc.reward_range
-    if not lo < hi:
-        errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
-    if vc.prior.startswith("anchor") and cfg.pvpo.refresh_every:
-        errors.append(
-            "v05.prior uses the static anchor, which V0.5 does not refresh: set "
-            "pvpo.refresh_every=0 (the history layer follows the policy instead)"
-        )
-    return errors

@@ -32,16 +32,18 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from anchor_rl.anchors.priors import KNNPrior, evaluate_prior, prior_metrics
-from anchor_rl.rollout.types import RolloutBatch
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.collect import sampling_params, score
+from anchor_rl.trainer.component import Component, Setup
 from anchor_rl.trainer.v05 import (
+    V05,
     embed_groups,
     extra_counts,
     fuse_groups,
@@ -49,9 +51,6 @@ from anchor_rl.trainer.v05 import (
     uses_embeddings,
 )
 from anchor_rl.trainer.v05_config import V05Config
-
-if TYPE_CHECKING:
-    from anchor_rl.trainer.run import Run
 
 PROBE_FILE = "probe.jsonl"
 SEED_OFFSET = 500_000_003
@@ -156,19 +155,110 @@ def baseline_errors(
     return out
 
 
-def _sample(
-    run: Run, records: Sequence[Record], n: int, generator: torch.Generator
-) -> tuple[Tensor, RolloutBatch]:
-    """``(rewards[P, n], batch)``: n rollouts of each record with the training settings."""
-    task, cfg = run.task, run.cfg
-    batch = run.engine.rollout(
-        [r.prompt for r in records], n, sampling_params(cfg, task),
-        tools=task.tools or None, instruction=task.instruction, generator=generator,
-    )  # fmt: skip
-    order = torch.argsort(batch.group, stable=True)
-    batch = batch.select(order)
-    rewards = score(task, batch, records, cfg).rewards
-    return rewards.reshape(len(records), n), batch
+class V05Probe(Component):
+    """The probe as a component of a V0.5 run: :meth:`before_step` probes when due."""
+
+    name = "v05_probe"
+
+    def __init__(self, setup: Setup, v05: V05) -> None:
+        self.cfg, self.task, self.policy = setup.cfg, setup.task, setup.policy
+        self.engine, self.run_dir, self.v05 = setup.engine, setup.run_dir, v05
+
+    def before_step(self, index: int) -> dict[str, float]:
+        """Probe before training step ``index`` when due (see the module docstring); ``{}``
+        otherwise. Appends the record to ``RUN_DIR/probe.jsonl`` (dropping records of this
+        step or later a stopped run left behind) and returns ``probe/*`` scalars."""
+        if not probe_due(self.cfg.v05, index):
+            return {}
+        return self.probe(index)
+
+    def _sample(
+        self, records: Sequence[Record], n: int, generator: torch.Generator
+    ) -> tuple[Tensor, RolloutBatch]:
+        """``(rewards[P, n], batch)``: n rollouts of each record with the training settings."""
+        task, cfg = self.task, self.cfg
+        batch = self.engine.rollout(
+            [r.prompt for r in records], n, sampling_params(cfg, task),
+            tools=task.tools or None, instruction=task.instruction, generator=generator,
+        )  # fmt: skip
+        order = torch.argsort(batch.group, stable=True)
+        batch = batch.select(order)
+        rewards = score(task, batch, records, cfg).rewards
+        return rewards.reshape(len(records), n), batch
+
+    def probe(self, step: int) -> dict[str, float]:
+        """Probe the baselines before training step ``step`` (see the module docstring)."""
+        cfg, state = self.cfg, self.v05
+        vc, k_init, started = cfg.v05, cfg.rollout.n, time.perf_counter()
+        generator = torch.Generator(device=cfg.device).manual_seed(
+            cfg.seed * 1_000_003 + step + SEED_OFFSET
+        )
+        records = probe_records(state.records, vc.probe_prompts)
+        ids = [r.id for r in records]
+        rewards, batch = self._sample(records, vc.k_max + vc.probe_truth, generator)
+        pool, truth = rewards[:, : vc.k_max], rewards[:, vc.k_max :]
+        emb = embed_groups(self.policy, batch, len(records))
+        prior = state.prior.predict(ids, emb if uses_embeddings(vc) else None)
+        anchor = None
+        if uses_anchors(vc) and state.anchors is not None:
+            anchor = torch.tensor([state.anchors[i] for i in ids])
+        record: dict[str, Any] = {
+            "step": step,
+            "prompts": len(records),
+            "k_init": k_init,
+            "k_max": vc.k_max,
+            "truth_rollouts": vc.probe_truth,
+            "methods": baseline_errors(pool, truth, prior, anchor, vc, k_init),
+            "prior_probe": _clean(_scored_prior(prior, truth, vc)),
+        }
+        rollouts = rewards.numel()
+        if vc.probe_heldout:
+            held, held_rollouts = self._heldout(emb, ids, truth, generator)
+            record |= held
+            rollouts += held_rollouts
+        record["rollouts"] = rollouts
+        record["seconds"] = time.perf_counter() - started
+        total = append_probe(self.run_dir, record)
+        out = {f"probe/mse/{name}": m["mse"] for name, m in record["methods"].items()}
+        out |= {
+            "probe/rollouts": float(rollouts),
+            "probe/rollouts_cumulative": float(total),
+            "probe/seconds": record["seconds"],
+        }
+        for key in ("prior_probe", "knn_heldout", "run_prior_heldout"):
+            if key in record and record[key]["auc"] is not None:
+                out[f"probe/{key}_auc"] = record[key]["auc"]
+        return out
+
+    def _heldout(
+        self,
+        probe_emb: Tensor,
+        probe_ids: list[str],
+        probe_truth: Tensor,
+        generator: torch.Generator,
+    ) -> tuple[dict[str, Any], int]:
+        """Prior metrics on held-out prompts: a knn over the probe set's truths, and the run's
+        prior when it generalises across prompts (knn-based). Returns them and the rollouts."""
+        vc = self.cfg.v05
+        records = self.task.records("test")[: vc.probe_heldout]
+        ids = [r.id for r in records]
+        rewards, batch = self._sample(records, vc.probe_heldout_truth, generator)
+        emb = embed_groups(self.policy, batch, len(records))
+        true, outcomes = rewards.double().mean(1), list(rewards)
+        knn = KNNPrior(
+            window=max(vc.knn_window, len(probe_ids)), top_k=vc.knn_top_k,
+            temperature=vc.knn_temperature, reward_range=vc.reward_range,
+        )  # fmt: skip
+        knn.update(probe_ids, list(probe_truth), probe_emb)
+        out: dict[str, Any] = {
+            "heldout_prompts": len(records),
+            "heldout_truth_rollouts": vc.probe_heldout_truth,
+            "knn_heldout": _clean(evaluate_prior(knn, ids, true, emb, outcomes)),
+        }
+        if uses_embeddings(vc):
+            prior = self.v05.prior
+            out["run_prior_heldout"] = _clean(evaluate_prior(prior, ids, true, emb, outcomes))
+        return out, rewards.numel()
 
 
 def _scored_prior(prior: Tensor, truth: Tensor, vc: V05Config) -> dict[str, float]:
@@ -185,88 +275,6 @@ def _scored_prior(prior: Tensor, truth: Tensor, vc: V05Config) -> dict[str, floa
 def _clean(metrics: Mapping[str, float]) -> dict[str, float | None]:
     """JSON-safe: NaN (an AUC with one class) becomes None."""
     return {k: (None if v != v else v) for k, v in metrics.items()}
-
-
-def run_probe(run: Run, step: int) -> dict[str, float]:
-    """Probe before training step ``step`` when due (see the module docstring); ``{}`` otherwise.
-
-    Appends the record to ``RUN_DIR/probe.jsonl`` (dropping records of this step or later a
-    stopped run left behind) and returns ``probe/*`` scalars.
-    """
-    cfg, state = run.cfg, run.v05
-    if state is None or not probe_due(cfg.v05, step):
-        return {}
-    vc, k_init, started = cfg.v05, cfg.rollout.n, time.perf_counter()
-    generator = torch.Generator(device=cfg.device).manual_seed(
-        cfg.seed * 1_000_003 + step + SEED_OFFSET
-    )
-    records = probe_records(run.sampler.records, vc.probe_prompts)
-    ids = [r.id for r in records]
-    rewards, batch = _sample(run, records, vc.k_max + vc.probe_truth, generator)
-    pool, truth = rewards[:, : vc.k_max], rewards[:, vc.k_max :]
-    emb = embed_groups(run.policy, batch, len(records))
-    prior = state.prior.predict(ids, emb if uses_embeddings(vc) else None)
-    anchor = None
-    if uses_anchors(vc) and state.anchors is not None:
-        anchor = torch.tensor([state.anchors[i] for i in ids])
-    record: dict[str, Any] = {
-        "step": step,
-        "prompts": len(records),
-        "k_init": k_init,
-        "k_max": vc.k_max,
-        "truth_rollouts": vc.probe_truth,
-        "methods": baseline_errors(pool, truth, prior, anchor, vc, k_init),
-        "prior_probe": _clean(_scored_prior(prior, truth, vc)),
-    }
-    rollouts = rewards.numel()
-    if vc.probe_heldout:
-        held, held_rollouts = _heldout(run, emb, ids, truth, generator)
-        record |= held
-        rollouts += held_rollouts
-    record["rollouts"] = rollouts
-    record["seconds"] = time.perf_counter() - started
-    total = append_probe(run.run_dir, record)
-    out = {f"probe/mse/{name}": m["mse"] for name, m in record["methods"].items()}
-    out |= {
-        "probe/rollouts": float(rollouts),
-        "probe/rollouts_cumulative": float(total),
-        "probe/seconds": record["seconds"],
-    }
-    for key in ("prior_probe", "knn_heldout", "run_prior_heldout"):
-        if key in record and record[key]["auc"] is not None:
-            out[f"probe/{key}_auc"] = record[key]["auc"]
-    return out
-
-
-def _heldout(
-    run: Run,
-    probe_emb: Tensor,
-    probe_ids: list[str],
-    probe_truth: Tensor,
-    generator: torch.Generator,
-) -> tuple[dict[str, Any], int]:
-    """Prior metrics on held-out prompts: a knn over the probe set's truths, and the run's
-    prior when it generalises across prompts (knn-based). Returns them and the rollouts."""
-    vc = run.cfg.v05
-    records = run.task.records("test")[: vc.probe_heldout]
-    ids = [r.id for r in records]
-    rewards, batch = _sample(run, records, vc.probe_heldout_truth, generator)
-    emb = embed_groups(run.policy, batch, len(records))
-    true, outcomes = rewards.double().mean(1), list(rewards)
-    knn = KNNPrior(
-        window=max(vc.knn_window, len(probe_ids)), top_k=vc.knn_top_k,
-        temperature=vc.knn_temperature, reward_range=vc.reward_range,
-    )  # fmt: skip
-    knn.update(probe_ids, list(probe_truth), probe_emb)
-    out: dict[str, Any] = {
-        "heldout_prompts": len(records),
-        "heldout_truth_rollouts": vc.probe_heldout_truth,
-        "knn_heldout": _clean(evaluate_prior(knn, ids, true, emb, outcomes)),
-    }
-    if uses_embeddings(vc):
-        assert run.v05 is not None
-        out["run_prior_heldout"] = _clean(evaluate_prior(run.v05.prior, ids, true, emb, outcomes))
-    return out, rewards.numel()
 
 
 def append_probe(run_dir: Path, record: Mapping[str, Any]) -> int:

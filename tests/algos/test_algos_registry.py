@@ -10,7 +10,7 @@ F64 = torch.float64
 
 
 def test_names():
-    assert list(registry.ADVANTAGES) == [
+    assert list(registry.ESTIMATORS) == [
         "grpo",
         "drgrpo",
         "rloo",
@@ -18,9 +18,12 @@ def test_names():
         "v05",
         "reinforce_pp",
         "reinforce_pp_baseline",
+        "gae",
     ]
-    assert set(registry.ADVANTAGE_INPUTS) == set(registry.ADVANTAGES)
-    assert registry.TOKEN_LEVEL.issubset(registry.ADVANTAGES)
+    token_level = {n for n, e in registry.ESTIMATORS.items() if e.token_level}
+    assert token_level == {"reinforce_pp", "reinforce_pp_baseline", "gae"}
+    assert all(set(e.inputs) <= set(registry.INPUTS) for e in registry.ESTIMATORS.values())
+    assert list(registry.POLICY_LOSSES) == ["ppo"]
     assert (
         registry.AGG_MODES
         == losses.AGG_MODES
@@ -49,9 +52,12 @@ def test_compute_advantage_matches_direct_calls():
         "rewards": rewards,
         "index": index,
         "anchor": torch.tensor([0.5, 0.5, 0.25, 0.25], dtype=F64),
+        "baseline": torch.tensor([0.5, 0.5, 0.25, 0.25], dtype=F64),
         "token_rewards": token_rewards,
         "mask": mask,
         "gamma": 1.0,
+        "values": torch.zeros_like(mask),
+        "lam": 1.0,
     }
     expected = {
         "grpo": A.grpo(rewards, index),
@@ -61,10 +67,36 @@ def test_compute_advantage_matches_direct_calls():
         "v05": torch.tensor([0.5, -0.5, 0.75, 0.75], dtype=F64),
         "reinforce_pp": A.reinforce_pp(token_rewards, mask),
         "reinforce_pp_baseline": A.reinforce_pp_baseline(rewards, index, mask),
+        # zero values, lambda 1: GAE's advantages are the reward-to-go on every policy token
+        "gae": rewards[:, None] * mask,
     }
-    for name in registry.ADVANTAGES:
+    for name, estimator in registry.ESTIMATORS.items():
         got = registry.compute_advantage(name, **inputs)
         torch.testing.assert_close(got, expected[name])
-        assert got.dim() == (2 if name in registry.TOKEN_LEVEL else 1)
+        assert got.dim() == (2 if estimator.token_level else 1)
     with pytest.raises(TypeError, match="anchor"):
         registry.compute_advantage("pvpo", rewards=rewards)
+
+
+def test_a_registered_estimator_is_callable_by_name_and_names_are_unique():
+    @registry.register_advantage("test_double_reward", inputs=("rewards",))
+    def double(rewards):
+        return 2 * rewards
+
+    try:
+        rewards = torch.tensor([1.0, 0.5])
+        torch.testing.assert_close(
+            registry.compute_advantage("test_double_reward", rewards=rewards, index=None), 2 * rewards
+        )
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_advantage("grpo", inputs=("rewards",))(double)
+        with pytest.raises(ValueError, match="unknown inputs"):
+            registry.register_advantage("bad", inputs=("reward",))
+    finally:
+        registry.ESTIMATORS.pop("test_double_reward")
+
+
+def test_unknown_policy_loss_lists_the_registered_ones():
+    assert registry.get_policy_loss("ppo") is losses.policy_loss
+    with pytest.raises(KeyError, match="valid names: ppo"):
+        registry.get_policy_loss("gspo-typo")

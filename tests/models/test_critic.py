@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from anchor_rl.algos.losses import value_loss
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.types import RolloutBatch
 
 VOCAB = 32
 PAD = 0

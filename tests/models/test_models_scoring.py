@@ -6,10 +6,10 @@ import math
 
 import torch
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import entropy_from_logp, left_pad, position_ids, token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.types import RolloutBatch
 
 TOK = build_tokenizer()
 MODEL = build_model("tiny", TOK, seed=0).eval()

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from anchor_rl.algos.advantages import outcome_to_token_rewards
 from anchor_rl.algos.gae import gae
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.value_pretrain import (
     cache_key,
@@ -17,7 +18,6 @@ from anchor_rl.models.value_pretrain import (
     pretrain_value,
     pretrain_value_cached,
 )
-from anchor_rl.rollout.types import RolloutBatch
 
 PAD = 0
 GOOD, BAD = 4, 5  # first response token; the reward is 1 after GOOD, 0 after BAD

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from anchor_rl.rollout.agent import encode_completion, tool_result
+from anchor_rl.models.tokenizer import encode_completion
+from anchor_rl.rollout.agent import tool_result
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.parsing import format_result

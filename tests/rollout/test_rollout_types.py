@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anchor_rl.rollout.types import RolloutBatch, SamplingParams
+from anchor_rl.batch import RolloutBatch
+from anchor_rl.rollout.types import SamplingParams
 
 PAD = 7
 

@@ -11,14 +11,13 @@ from typer.testing import CliRunner
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.cli import app
 from anchor_rl.models.spec import load_spec
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer import loop
-from anchor_rl.trainer.advantage import compute_advantages
-from anchor_rl.trainer.checkpoint import load_train_state
+from anchor_rl.trainer.advantage import base_inputs, compute_advantages
 from anchor_rl.trainer.collect import Scored
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.data import PromptSampler
@@ -67,9 +66,8 @@ def test_pvpo_advantage_subtracts_the_store_anchors_by_hand(tmp_path) -> None:
     assert anchor.tolist() == [0.75, 0.75, 0.5, 0.5]
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
     cfg = load_config("pvpo")
-    adv = compute_advantages(
-        cfg, rewards, scored.batch.group, mask, torch.zeros(4, 2), None, anchor
-    )
+    inputs = base_inputs(cfg, rewards, scored.batch.group, mask, torch.zeros(4, 2), None)
+    adv = compute_advantages(cfg, inputs | {"anchor": anchor})
     # r - V, no std scaling: [0.25, -0.75, -0.5, 0.5] on every loss token
     expected = torch.tensor([[0.25, 0.25], [-0.75, 0.0], [-0.5, -0.5], [0.0, 0.5]])
     torch.testing.assert_close(adv, expected)
@@ -123,20 +121,21 @@ def test_teacher_row_old_logp_in_the_update_is_the_teachers(parity, tiny, tmp_pa
         "pvpo", _overrides(tiny, tmp_path, "pvpo.teacher=none", "pvpo.keep_unsolved=true")
     )
     run = start_run(cfg, tmp_path / "run")
-    run.pvpo.trajectories = {r.id: _trajectory(r.id, -0.25) for r in run.pvpo.records}
+    pvpo = run.components["pvpo"]
+    pvpo.trajectories = {r.id: _trajectory(r.id, -0.25) for r in pvpo.records}
     seen = {}
-    step = run.pvpo.step
+    on_rollouts = pvpo.on_rollouts
 
-    def spy_step(*args):
-        seen["scored"], metrics = step(*args)
-        return seen["scored"], metrics
+    def spy_step(step):
+        on_rollouts(step)
+        seen["scored"] = step.scored
 
     def spy_update(model, optimizer, scheduler, batch, mask, old_logp, *rest):
         seen["old_logp"] = old_logp.clone()
         return real_update(model, optimizer, scheduler, batch, mask, old_logp, *rest)
 
     real_update = loop.ppo_update
-    monkeypatch.setattr(run.pvpo, "step", spy_step)
+    monkeypatch.setattr(pvpo, "on_rollouts", spy_step)
     monkeypatch.setattr(loop, "ppo_update", spy_update)
     metrics = train_step(run)
     rows = seen["scored"].off_policy.nonzero().flatten().tolist()
@@ -174,14 +173,15 @@ def test_group_sampling_sets_the_training_prompts(
     )
     _seed_store(cfg, parity, tmp_path / "anchors.db", CORRECT)
     run = start_run(cfg, tmp_path / "run")
+    pvpo = run.components["pvpo"]
     assert [r.id for r in run.sampler.records] == training
-    assert sorted(run.pvpo.trajectories) == with_teacher
-    assert {pid: s.mean for pid, s in run.pvpo.anchors.items()} == {
+    assert sorted(pvpo.trajectories) == with_teacher
+    assert {pid: s.mean for pid, s in pvpo.anchors.items()} == {
         pid: sum(c) / 2 for pid, c in zip(IDS, CORRECT, strict=True) if pid in training
     }
     summary = json.loads((run.run_dir / "pvpo.json").read_text())
     assert summary["presample"]["rollouts_sampled_now"] == 0  # all found in the store
-    assert summary["presample"]["rollouts"] == run.state.presample_rollouts == 16
+    assert summary["presample"]["rollouts"] == pvpo.presample_rollouts == 16
     stats_file = run.run_dir / "pvpo_filter.json"
     assert stats_file.is_file() == (filter_kind == "group")
     if filter_kind == "group":
@@ -199,24 +199,25 @@ def test_refresh_counts_its_rollouts_and_replaces_the_anchors(mode, parity, tiny
     extra = ("pvpo.teacher=none", "pvpo.keep_unsolved=true", "pvpo.refresh_every=1", "steps=2")
     cfg = load_config("pvpo", _overrides(tiny, tmp_path, *extra, f"pvpo.refresh_mode={mode}"))
     run = start_run(cfg, tmp_path / "run")
-    presampled = dict(run.pvpo.anchors)
+    pvpo = run.components["pvpo"]
+    presampled = dict(pvpo.anchors)
     train(run)
     records = read_metrics(run.run_dir)
-    n_train = len(run.pvpo.records)
+    n_train = len(pvpo.records)
     # refreshed once, before step 2 (after step 1): M = 2 rollouts per training prompt
     assert "pvpo/refresh_sampled" not in records[1]
     assert records[2]["pvpo/refresh_sampled"] == 2 * n_train
-    assert records[2]["rollouts/refresh"] == run.state.refresh_rollouts == 2 * n_train
+    assert records[2]["rollouts/refresh"] == pvpo.refresh_rollouts == 2 * n_train
     for r in records:
         assert r["rollouts/total"] == (
             r["rollouts/cumulative"] + r["rollouts/presample"] + r["rollouts/refresh"]
         )
     assert records[2]["rollouts/presample"] == 2 * 8
-    assert run.state.anchor_key != run.pvpo.key.digest
+    assert pvpo.anchor_key != pvpo.set.key.digest
     if mode == "reference":
-        assert run.state.anchor_key == refresh_key(run.pvpo.key, "reference", 1).digest
-    assert set(run.pvpo.anchors) == {r.id for r in run.pvpo.records}
-    assert any(run.pvpo.anchors[p].mean != presampled[p].mean for p in run.pvpo.anchors)
+        assert pvpo.anchor_key == refresh_key(pvpo.set.key, "reference", 1).digest
+    assert set(pvpo.anchors) == {r.id for r in pvpo.records}
+    assert any(pvpo.anchors[p].mean != presampled[p].mean for p in pvpo.anchors)
 
 
 @pytest.mark.slow
@@ -248,13 +249,12 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
     monkeypatch.setattr(RolloutSampler, "__call__", counting)
     resumed = resume_run(half.run_dir, {"steps": 3})
     assert calls == []  # presampling and the teacher found everything in the store
-    assert (
-        resumed.state.presample_rollouts
-        == load_train_state(half.run_dir / "checkpoints" / "step_000001").presample_rollouts
-        == 16
-    )
+    saved = torch.load(half.run_dir / "checkpoints" / "step_000001" / "pvpo.pt", weights_only=True)
+    pvpo = resumed.components["pvpo"]
+    assert pvpo.presample_rollouts == saved["presample_rollouts"] == 16
+    assert pvpo.anchor_key == saved["anchor_key"]
     train(resumed)
-    assert sum(calls) == 2 * 2 * len(resumed.pvpo.records)  # the refreshes before steps 2 and 3
+    assert sum(calls) == 2 * 2 * len(pvpo.records)  # the refreshes before steps 2 and 3
 
     def values(run):
         return [
@@ -263,7 +263,7 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
         ]
 
     assert values(straight) == values(resumed)
-    assert resumed.state.anchor_key == straight.state.anchor_key
+    assert pvpo.anchor_key == straight.components["pvpo"].anchor_key
 
 
 def test_pvpo_config_errors_name_the_field() -> None:
@@ -305,11 +305,12 @@ def test_a_local_hf_teacher_supplies_verified_trajectories(parity, tiny, tmp_pat
     cfg = load_config("pvpo", _overrides(tiny, tmp_path, *extra))
     _seed_store(cfg, parity, tmp_path / "anchors.db", CORRECT)
     run = start_run(cfg, tmp_path / "run")
-    assert run.pvpo.trajectories  # a random init writes an even first character half the time
-    for pid, traj in run.pvpo.trajectories.items():
+    trajectories = run.components["pvpo"].trajectories
+    assert trajectories  # a random init writes an even first character half the time
+    for pid, traj in trajectories.items():
         assert pid in IDS[4:] and traj.teacher == "hf" and 1 <= traj.tries <= 4
         assert parity.correct(traj.text, Record(pid, "q", "even"))
-    solved = set(run.pvpo.trajectories)
+    solved = set(trajectories)
     assert [r.id for r in run.sampler.records] == [*IDS[2:4], *(p for p in IDS[4:] if p in solved)]
 
 

@@ -5,35 +5,39 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import Tensor
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.models.value_pretrain import mc_returns
-from anchor_rl.rollout.types import RolloutBatch
+from anchor_rl.tasks.base import Record
 from anchor_rl.trainer import critic as critic_mod
 from anchor_rl.trainer import loop as loop_mod
-from anchor_rl.trainer.checkpoint import latest_checkpoint
+from anchor_rl.trainer.advantage import base_inputs, compute_advantages
+from anchor_rl.trainer.checkpoint import latest_checkpoint, load_components
+from anchor_rl.trainer.collect import Scored
+from anchor_rl.trainer.component import Setup, Step
 from anchor_rl.trainer.config import ConfigError, TrainConfig, load_config
 from anchor_rl.trainer.critic import (
-    CRITIC_DIR,
     PRETRAIN_FILE,
-    CriticState,
+    PPOCritic,
     critic_metrics,
     critic_optimizer,
-    critic_step,
+    critic_targets,
     critic_update,
     critic_values,
-    gae_targets,
-    load_critic,
     new_critic,
     policy_lambda,
 )
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import resume_run, start_run
+from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.update import loss_terms, loss_weights
 
 
@@ -61,6 +65,32 @@ def _toy_batch(prompts: list[list[int]], responses: list[list[int]], policy: lis
 @pytest.fixture(scope="module")
 def policy():
     return build_model("tiny", build_tokenizer(), seed=0)
+
+
+@dataclass
+class Targets:
+    values: Tensor
+    advantages: Tensor
+    returns: Tensor
+    policy_lam: Tensor
+
+
+def gae_targets(cfg, rewards, mask, values, logp, ref_logp) -> Targets:
+    """Stage 5 of a critic run on one batch, through the trainer's own functions: the loop's
+    inputs, the critic's values and lambda, the registered ``gae`` estimator, the critic's
+    returns and whitening."""
+    inputs = base_inputs(cfg, rewards, torch.arange(len(rewards)), mask, logp, ref_logp)
+    inputs |= {"values": values, "lam": policy_lambda(cfg, mask)}
+    advantages, returns = critic_targets(cfg, inputs, compute_advantages(cfg, inputs))
+    return Targets(values, advantages, returns, inputs["lam"])
+
+
+def _component(cfg, policy) -> PPOCritic:
+    """A fresh critic component for ``policy``, as a resumed run builds it (no value
+    pretraining; its state comes from a checkpoint or stays fresh)."""
+    setup = Setup(cfg=cfg, run_dir=None, task=None, records=[], policy=policy, tokenizer=None,
+                  engine=None, generator=torch.Generator().manual_seed(0), resuming=True)  # fmt: skip
+    return PPOCritic(setup)
 
 
 # --- presets --------------------------------------------------------------------------
@@ -146,7 +176,7 @@ def test_monte_carlo_returns_are_exact_whatever_the_values() -> None:
     values = torch.rand(3, 7, generator=torch.Generator().manual_seed(1))
     t = gae_targets(_cfg("critic.lam=1.0"), torch.zeros(3), mask, values, torch.zeros(3, 7), None)
     assert torch.equal(t.returns, torch.zeros(3, 7))
-    metrics = critic_metrics(t, mask, torch.zeros(3))
+    metrics = critic_metrics(t.values, t.returns, t.advantages, t.policy_lam, mask, torch.zeros(3))
     assert math.isnan(metrics["critic/explained_variance"])
 
 
@@ -174,18 +204,23 @@ def test_kl_in_reward_enters_the_token_rewards() -> None:
 # --- the critic's advantages reach the loss ------------------------------------------
 
 
-def test_critic_step_advantages_come_from_the_critic_values_with_tool_tokens(policy) -> None:
+def test_critic_advantages_come_from_the_critic_values_with_tool_tokens(policy) -> None:
     cfg = _cfg("critic.policy_lam=0.5", "critic.lam=1.0", "critic.whiten=false")
     batch = _toy_batch([[5, 6], [7]], [[10, 11, 12, 13], [14, 15]], [[1, 0, 1, 1], [1, 1]])
-    state = CriticState(c := new_critic(cfg, policy), critic_optimizer(cfg, c))
+    component = _component(cfg, policy)
     with torch.no_grad():
-        c.head.weight.normal_(0, 0.3)  # non-zero values
-    values = critic_values(state, batch, cfg)
+        component.critic.head.weight.normal_(0, 0.3)  # non-zero values
+    values = critic_values(component.critic, batch, cfg)
     assert values[0, 1] != 0  # the tool token has a value, which GAE must skip
     rewards = torch.tensor([1.0, 0.0])
-    mask = batch.loss_mask
-    adv, metrics = critic_step(state, batch, rewards, mask, torch.zeros(2, 4), None, cfg,
-                               torch.Generator().manual_seed(0))  # fmt: skip
+    records = [Record("a", "p", "x"), Record("b", "q", "y")]
+    step = Step(1, Scored(batch, records, rewards, rewards, rewards > 0), {}, Timer())
+    step.mask = mask = batch.loss_mask
+    step.inputs = base_inputs(cfg, rewards, batch.group, mask, torch.zeros(2, 4), None)
+    step.inputs |= component.advantage_inputs(step)
+    step.advantages = compute_advantages(cfg, step.inputs)
+    component.on_advantages(step)
+    adv = step.advantages
     v = values[0]
     a3 = 1.0 - v[3]
     a2 = v[3] - v[2] + 0.5 * a3
@@ -193,14 +228,14 @@ def test_critic_step_advantages_come_from_the_critic_values_with_tool_tokens(pol
     torch.testing.assert_close(adv[0], torch.stack([a0, torch.tensor(0.0), a2, a3]))
     assert adv[1, 2:].abs().sum() == 0
     assert {"critic/loss", "critic/explained_variance", "critic/first_token_error",
-            "advantage/len_q0/mean"} <= set(metrics)  # fmt: skip
+            "advantage/len_q0/mean"} <= set(step.metrics)  # fmt: skip
 
 
 def test_train_step_passes_the_gae_advantages_to_the_policy_update(
     parity, tiny, tmp_path, monkeypatch
 ) -> None:
     seen = {}
-    real_targets, real_update = critic_mod.gae_targets, loop_mod.ppo_update
+    real_targets, real_update = critic_mod.critic_targets, loop_mod.ppo_update
 
     def spy_targets(*args, **kwargs):
         seen["targets"] = real_targets(*args, **kwargs)
@@ -210,11 +245,11 @@ def test_train_step_passes_the_gae_advantages_to_the_policy_update(
         seen["adv"], seen["mask"] = adv, mask
         return real_update(model, optimizer, scheduler, batch, mask, old, ref, adv, *rest)
 
-    monkeypatch.setattr(critic_mod, "gae_targets", spy_targets)
+    monkeypatch.setattr(critic_mod, "critic_targets", spy_targets)
     monkeypatch.setattr(loop_mod, "ppo_update", spy_update)
     run = start_run(_cfg(*tiny, "steps=1", "eval.every=0"), tmp_path / "run")
     metrics = loop_mod.train_step(run)
-    assert seen["adv"] is seen["targets"].advantages
+    assert seen["adv"] is seen["targets"][0]
     assert seen["adv"][seen["mask"] == 0].abs().sum() == 0
     assert seen["adv"].abs().sum() > 0 and metrics["loss/policy"] != 0
 
@@ -304,7 +339,7 @@ def test_loss_knobs_change_the_loss() -> None:
 def test_pretraining_knob(parity, tiny, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(critic_mod, "pretrain_critic", _fail)
     run = start_run(_cfg(*tiny, "critic.pretrain_steps=0", preset="vapo"), tmp_path / "off")
-    assert run.critic.critic.head.weight.abs().sum() == 0  # fresh, untrained head
+    assert run.components["critic"].critic.head.weight.abs().sum() == 0  # fresh head
     assert not (run.run_dir / PRETRAIN_FILE).exists()
     with pytest.raises(AssertionError, match="pretraining ran"):
         start_run(_cfg(*tiny, "critic.pretrain_steps=2", preset="vapo"), tmp_path / "on")
@@ -325,35 +360,37 @@ def test_critic_update_steps_the_optimizer_and_lowers_the_value_loss(policy) -> 
         [[1, 0, 1], [1, 1], [1, 1, 1], [1]],
     )
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    state = CriticState(c := new_critic(cfg, policy), critic_optimizer(cfg, c))
+    c = new_critic(cfg, policy)
+    optimizer = critic_optimizer(cfg, c)
     before = {k: v.clone() for k, v in c.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
-    targets_0 = gae_targets(cfg, rewards, batch.loss_mask, torch.zeros(4, 3), torch.zeros(4, 3),
-                            None)  # fmt: skip
+    mask = batch.loss_mask
+    targets_0 = gae_targets(cfg, rewards, mask, torch.zeros(4, 3), torch.zeros(4, 3), None)
     losses = []
     for _ in range(15):
-        targets = gae_targets(cfg, rewards, batch.loss_mask, critic_values(state, batch, cfg),
-                              torch.zeros(4, 3), None)  # fmt: skip
-        metrics = critic_update(state, batch, batch.loss_mask, targets, cfg, generator)
+        t = gae_targets(cfg, rewards, mask, critic_values(c, batch, cfg), torch.zeros(4, 3), None)
+        metrics = critic_update(c, optimizer, batch, mask, t.values, t.returns, cfg, generator)
         losses.append(metrics["critic/loss"])
     # V = 0 at first, Monte-Carlo returns (lambda 1), 5 of the 8 policy tokens have return 1:
     # 0.5 * mean(R^2) = 0.3125
-    first = critic_update(CriticState(c0 := new_critic(cfg, policy), critic_optimizer(cfg, c0)),
-                          batch, batch.loss_mask, targets_0, _cfg("critic.lam=1.0"), generator)  # fmt: skip
+    c0 = new_critic(cfg, policy)
+    first = critic_update(c0, critic_optimizer(cfg, c0), batch, mask, targets_0.values,
+                          targets_0.returns, _cfg("critic.lam=1.0"), generator)  # fmt: skip
     assert first["critic/loss"] == pytest.approx(0.3125)
     assert losses[-1] < 0.5 * losses[0]
     assert all(not torch.equal(before[k], v) for k, v in c.state_dict().items() if "head" in k)
-    assert len(state.optimizer.state) > 0 and metrics["critic/lr"] == 3e-3
+    assert len(optimizer.state) > 0 and metrics["critic/lr"] == 3e-3
 
 
 def test_shared_critic_trains_its_head_only(policy) -> None:
     cfg = _cfg("critic.mode=shared", "critic.lr=1e-2")
-    state = CriticState(c := new_critic(cfg, policy), critic_optimizer(cfg, c))
+    c = new_critic(cfg, policy)
     batch = _toy_batch([[5]], [[10, 11]], [[1, 1]])
     body = {k: v.clone() for k, v in policy.state_dict().items()}
-    targets = gae_targets(cfg, torch.tensor([1.0]), batch.loss_mask,
-                          critic_values(state, batch, cfg), torch.zeros(1, 2), None)  # fmt: skip
-    critic_update(state, batch, batch.loss_mask, targets, cfg, torch.Generator())
+    t = gae_targets(cfg, torch.tensor([1.0]), batch.loss_mask, critic_values(c, batch, cfg),
+                    torch.zeros(1, 2), None)  # fmt: skip
+    critic_update(c, critic_optimizer(cfg, c), batch, batch.loss_mask, t.values, t.returns, cfg,
+                  torch.Generator())  # fmt: skip
     assert c.head.bias.item() != 0
     assert all(torch.equal(body[k], v) for k, v in policy.state_dict().items())
 
@@ -367,13 +404,13 @@ def test_preset_runs_one_step_end_to_end(preset, parity, tiny, tmp_path) -> None
     pretrain = ["critic.pretrain_steps=2"] if preset == "vapo" else []  # a couple of steps
     cfg = _cfg(*tiny, "steps=1", *pretrain, preset=preset)
     run = start_run(cfg, tmp_path / preset)
-    pretrained_head = run.critic.critic.head.weight.detach().clone()
+    pretrained_head = run.components["critic"].critic.head.weight.detach().clone()
     run = train(run)
     step = read_metrics(run.run_dir)[-1]
     assert {"critic/loss", "critic/explained_variance", "critic/value_mse", "critic/policy_lam",
             "critic/first_token_error", "advantage/len_q3/mean", "loss/policy"} <= set(step)  # fmt: skip
     assert ("loss/nll" in step) == (preset == "vapo")
-    assert (latest_checkpoint(run.run_dir) / CRITIC_DIR / "optimizer.pt").is_file()
+    assert (latest_checkpoint(run.run_dir) / "critic.pt").is_file()
     pretrained = run.run_dir / PRETRAIN_FILE
     assert pretrained.is_file() == (preset == "vapo")
     if preset == "vapo":
@@ -383,11 +420,13 @@ def test_preset_runs_one_step_end_to_end(preset, parity, tiny, tmp_path) -> None
     # the reference rollouts value pretraining used count in the run's total
     assert step["rollouts/value_pretrain"] == (16 if preset == "vapo" else 0)
     assert step["rollouts/total"] == step["rollouts/cumulative"] + step["rollouts/value_pretrain"]
+    assert "rollouts/presample" not in step  # the counters of components the run lacks
     if preset == "vapo":
         again = start_run(cfg, tmp_path / "again")  # same reference and settings: the cache
         assert json.loads((again.run_dir / PRETRAIN_FILE).read_text())["from_cache"]
-        assert again.state.value_pretrain_rollouts == 16  # counted from the cache too
-        assert torch.equal(again.critic.critic.head.weight, pretrained_head)
+        critic = again.components["critic"]
+        assert critic.value_pretrain_rollouts == 16  # counted from the cache too
+        assert torch.equal(critic.critic.head.weight, pretrained_head)
         assert pretrained_head.abs().sum() > 0
 
 
@@ -398,10 +437,12 @@ def test_resume_restores_the_critic_and_reproduces_the_metrics(parity, tiny, tmp
     straight = train(start_run(_cfg(*overrides, preset="vapo"), tmp_path / "a"))
     half = train(start_run(_cfg(*overrides, "steps=2", preset="vapo"), tmp_path / "b"))
     saved = latest_checkpoint(half.run_dir)
-    restored = load_critic(half.cfg, saved, half.policy)
-    for key, value in half.critic.critic.state_dict().items():
+    restored = _component(half.cfg, half.policy)
+    load_components(saved, {"critic": restored})
+    live = half.components["critic"]
+    for key, value in live.critic.state_dict().items():
         assert torch.equal(value, restored.critic.state_dict()[key]), key
-    assert _state_equal(half.critic.optimizer.state_dict(), restored.optimizer.state_dict())
+    assert _state_equal(live.optimizer.state_dict(), restored.optimizer.state_dict())
     resumed = train(resume_run(tmp_path / "b", {"steps": 4}))
     a, b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -410,14 +451,13 @@ def test_resume_restores_the_critic_and_reproduces_the_metrics(parity, tiny, tmp
         assert keys == {k for k in rb if not k.startswith("time/")}
         for k in keys:
             assert ra[k] == rb[k] or (math.isnan(ra[k]) and math.isnan(rb[k])), k
-    for key, value in straight.critic.critic.state_dict().items():
-        assert torch.equal(value, resumed.critic.critic.state_dict()[key]), key
+    for key, value in straight.components["critic"].critic.state_dict().items():
+        assert torch.equal(value, resumed.components["critic"].critic.state_dict()[key]), key
 
 
 def test_resume_without_a_saved_critic_fails_clearly(tmp_path, policy) -> None:
-    with pytest.raises(FileNotFoundError, match="holds no critic"):
-        load_critic(_cfg(), tmp_path, policy)
-    assert load_critic(_cfg(preset="grpo"), tmp_path, policy) is None
+    with pytest.raises(FileNotFoundError, match="no state of the run's 'critic' component"):
+        load_components(tmp_path, {"critic": _component(_cfg(), policy)})
 
 
 def _state_equal(a, b) -> bool:

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.cli import app
-from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import Scored, collect, informative_groups, score

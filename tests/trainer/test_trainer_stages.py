@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record
-from anchor_rl.trainer.advantage import advantage_metrics, compute_advantages
+from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.update import _accumulate, loss_mask, ppo_update, score_logprobs, token_mean
@@ -18,10 +18,15 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.
 INDEX = torch.tensor([0, 0, 1, 1])
 
 
+def _advantages(cfg, rewards, index, mask, logp, ref_logp, **extra):
+    """Stage 5 on the loop's inputs (plus any component inputs in ``extra``)."""
+    return compute_advantages(cfg, base_inputs(cfg, rewards, index, mask, logp, ref_logp) | extra)
+
+
 def test_grpo_advantage_by_hand() -> None:
     cfg = load_config("grpo")
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    adv = compute_advantages(cfg, rewards, INDEX, MASK, torch.zeros(4, 3), torch.zeros(4, 3))
+    adv = _advantages(cfg, rewards, INDEX, MASK, torch.zeros(4, 3), torch.zeros(4, 3))
     # group 0: mean 0.5, unbiased std sqrt(0.5): +-0.5 / 0.70711 = +-0.70711; group 1: all equal -> 0
     a = 0.5 / (0.5**0.5 + 1e-6)
     expected = torch.tensor([[a, a, 0.0], [-a, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -36,7 +41,7 @@ def test_rloo_with_kl_in_the_sequence_reward_by_hand() -> None:
     old = torch.zeros(4, 3)
     ref = torch.full((4, 3), -0.2)  # k1 = 0.2 per token
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    adv = compute_advantages(cfg, rewards, INDEX, MASK, old, ref)
+    adv = _advantages(cfg, rewards, INDEX, MASK, old, ref)
     # sequence KL = 0.2 * tokens = [0.4, 0.2, 0.6, 0.2]; r' = r - 0.5 KL = [0.8, -0.1, 0.7, 0.9]
     # leave-one-out in groups of two: [0.9, -0.9, -0.2, 0.2]
     per_row = torch.tensor([0.9, -0.9, -0.2, 0.2])
@@ -47,7 +52,7 @@ def test_reinforce_pp_with_kl_in_the_token_rewards_by_hand() -> None:
     cfg = load_config("reinforce_pp", ["kl.coef=0.5"])
     mask = MASK[:2]
     old, ref = torch.zeros(2, 3), torch.full((2, 3), -0.2)
-    adv = compute_advantages(cfg, torch.tensor([1.0, 0.0]), INDEX[:2], mask, old, ref)
+    adv = _advantages(cfg, torch.tensor([1.0, 0.0]), INDEX[:2], mask, old, ref)
     # token rewards: row 0 [-0.1, 1 - 0.1], row 1 [0 - 0.1]; returns [0.8, 0.9], [-0.1]
     # whitened over the 3 tokens: mean 0.53333, unbiased std 0.55076
     expected = torch.tensor([[0.48418, 0.66575, 0.0], [-1.14993, 0.0, 0.0]])

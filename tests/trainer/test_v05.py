@@ -3,29 +3,27 @@ groups through the update, metrics, prior updates, config checks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.types import RolloutBatch
 from anchor_rl.tasks.base import Record
-from anchor_rl.trainer.advantage import advantage_metrics, compute_advantages
+from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
 from anchor_rl.trainer.collect import Scored, collect_metrics, score
+from anchor_rl.trainer.component import Setup, Step
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.update import loss_mask, ppo_update, score_logprobs
 from anchor_rl.trainer.v05 import (
-    V05State,
+    V05,
     budget_cost,
     build_prior,
     merge_rows,
     pool_response_metrics,
-    v05_stage,
 )
 
 V05_KEYS = {
@@ -77,11 +75,25 @@ def _batch(groups: list[list[str]]) -> RolloutBatch:
     )  # fmt: skip
 
 
-def _fake_run(cfg, prior, task=None, engine=None) -> SimpleNamespace:
-    return SimpleNamespace(
-        cfg=cfg, v05=V05State(prior), policy=None, task=task, engine=engine,
-        generator=torch.Generator(),
-    )  # fmt: skip
+def _component(cfg, prior, task=None, engine=None) -> V05:
+    """A V0.5 component on ``prior`` (built on the history prior, which needs no presampled
+    anchors, then given ``prior``)."""
+    history = cfg.model_copy(update={"v05": cfg.v05.model_copy(update={"prior": "history"})})
+    setup = Setup(cfg=history, run_dir=None, task=task, records=[], policy=None, tokenizer=None,
+                  engine=engine, generator=torch.Generator())  # fmt: skip
+    component = V05(setup)
+    component.prior = prior
+    return component
+
+
+def v05_stage(
+    component: V05, scored: Scored, metrics: dict
+) -> tuple[Scored, torch.Tensor | None, dict]:
+    """What the loop does with the component on one step: its rows, its ``baseline[B]``
+    (None when it supplies none) and the step's metrics."""
+    step = Step(1, scored, dict(metrics), Timer())
+    component.on_rollouts(step)
+    return step.scored, component.advantage_inputs(step).get("baseline"), step.metrics
 
 
 # "0" is even (reward 1), "1" is odd (reward 0) under the parity task
@@ -96,13 +108,14 @@ def test_fused_baseline_per_prompt_by_hand(parity) -> None:
     groups = [["0", "0", "0", "1"], ["1", "1", "0", "1"], ["0", "0", "0"]]
     scored = score(parity, _batch(groups), records, cfg)
     prior = FakePrior({records[0].id: 0.25, records[1].id: 0.4, records[2].id: 0.5})
-    run = _fake_run(cfg, prior)
-    out, anchor, metrics = v05_stage(run, scored, collect_metrics(scored, scored, 1), Timer())
+    component = _component(cfg, prior)
+    out, anchor, metrics = v05_stage(component, scored, collect_metrics(scored, scored, 1))
     assert out is scored
     b = torch.tensor([5 / 8] * 4 + [0.4] * 4 + [5 / 6] * 3)
     torch.testing.assert_close(anchor, b)
     mask = torch.ones(11, 1)
-    adv = compute_advantages(cfg, scored.rewards, scored.batch.group, mask, mask, None, anchor)
+    inputs = base_inputs(cfg, scored.rewards, scored.batch.group, mask, mask, None)
+    adv = compute_advantages(cfg, inputs | {"baseline": anchor})
     torch.testing.assert_close(adv[:, 0], scored.rewards - b)
     assert metrics["v05/rejected_frac"] == pytest.approx(2 / 3)
     assert metrics["v05/weight_zero_frac"] == pytest.approx(1 / 3)
@@ -127,8 +140,9 @@ def test_top_up_rounds_are_bounded_and_only_for_rejected_prompts(parity, rounds,
     scored = score(parity, _batch([["0", "0", "0", "1"], ["1"] * 4]), records, cfg)
     prior = FakePrior({records[0].id: 0.3, records[1].id: 0.0})
     engine = TextEngine("0")
-    run = _fake_run(cfg, prior, parity, engine)
-    out, anchor, metrics = v05_stage(run, scored, collect_metrics(scored, scored, 1), Timer())
+    out, anchor, metrics = v05_stage(
+        _component(cfg, prior, parity, engine), scored, collect_metrics(scored, scored, 1)
+    )
     assert [len(c) for c in engine.calls] == calls
     assert all(p == records[0].prompt for c in engine.calls for p in c)
     extra = sum(calls)
@@ -147,28 +161,28 @@ def test_top_ups_never_exceed_k_max(parity) -> None:
     records = parity.records("train")[:1]
     scored = score(parity, _batch([["1"] * 4]), records, cfg)
     engine = TextEngine("1")
-    run = _fake_run(cfg, FakePrior({records[0].id: 1.0}), parity, engine)
-    out, _, metrics = v05_stage(run, scored, collect_metrics(scored, scored, 1), Timer())
+    component = _component(cfg, FakePrior({records[0].id: 1.0}), parity, engine)
+    out, _, metrics = v05_stage(component, scored, collect_metrics(scored, scored, 1))
     assert len(out) == 6 and [len(c) for c in engine.calls] == [2]
     assert metrics["v05/rollouts_per_prompt"] == 6.0
 
 
-def test_non_v05_runs_and_empty_steps_pass_through(parity) -> None:
-    cfg = load_config("grpo")
+def test_empty_steps_pass_through(parity) -> None:
+    cfg = load_config("v05")
     records = parity.records("train")[:1]
-    scored = score(parity, _batch([["0", "1"]]), records, cfg)
-    run = SimpleNamespace(cfg=cfg, v05=None)
-    out, anchor, metrics = v05_stage(run, scored, {"x": 1.0}, Timer())
-    assert out is scored and anchor is None and metrics == {"x": 1.0}
+    scored = score(parity, _batch([["0", "1"]]), records, cfg).select_groups(torch.tensor([False]))
+    prior = FakePrior({records[0].id: 0.5})
+    out, anchor, metrics = v05_stage(_component(cfg, prior), scored, {"x": 1.0})
+    assert out is scored and anchor is None and metrics == {"x": 1.0} and not prior.updates
 
 
 def test_rewards_outside_the_range_name_the_knob(parity) -> None:
     cfg = load_config("v05", ["rollout.budget=fixed", "v05.reward_range=[0.5, 1.0]"])
     records = parity.records("train")[:1]
     scored = score(parity, _batch([["0", "1"]]), records, cfg)
-    run = _fake_run(cfg, FakePrior({records[0].id: 0.7}))
+    component = _component(cfg, FakePrior({records[0].id: 0.7}))
     with pytest.raises(ValueError, match=r"v05\.reward_range"):
-        v05_stage(run, scored, collect_metrics(scored, scored, 1), Timer())
+        v05_stage(component, scored, collect_metrics(scored, scored, 1))
 
 
 def test_ragged_groups_flow_through_the_update() -> None:
@@ -191,7 +205,9 @@ def test_ragged_groups_flow_through_the_update() -> None:
     baseline = torch.tensor([0.5] * 2 + [0.7] * 7)
     m = loss_mask(batch, cfg)
     old, _ = score_logprobs(model, batch, cfg)
-    adv = compute_advantages(cfg, rewards, batch.group, m, old, None, baseline)
+    adv = compute_advantages(
+        cfg, base_inputs(cfg, rewards, batch.group, m, old, None) | {"baseline": baseline}
+    )
     torch.testing.assert_close(adv.sum(-1) / m.sum(-1), rewards - baseline)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

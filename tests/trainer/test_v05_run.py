@@ -49,7 +49,7 @@ def test_v05_preset_one_step_end_to_end(parity, v05_tiny, tmp_path) -> None:
     assert step["rollouts/presample"] == 32
     assert step["v05/rollouts_per_prompt"] == step["rollouts/step"] / 2
     # the prior (history over the anchor) learned the step's rewards
-    prior = run.v05.prior
+    prior = run.components["v05"].prior
     assert isinstance(prior, HistoryPrior) and prior.step == 1
     alpha, beta = prior.posterior([r.id for r in parity.records("train")])
     seen = (alpha + beta) > prior.strength + 1e-9
@@ -65,7 +65,7 @@ def test_resume_restores_the_prior_exactly(parity, v05_tiny, tmp_path) -> None:
     a, b = _training_values(straight.run_dir), _training_values(resumed.run_dir)
     assert [r["step"] for r in a] == [1, 2, 3, 4]
     assert a == b
-    assert resumed.v05.prior.step == 4
+    assert resumed.components["v05"].prior.step == 4
 
 
 @pytest.mark.slow
@@ -96,7 +96,7 @@ def test_probe_measures_and_never_changes_training(parity, v05_tiny, tmp_path) -
 def test_knn_prior_runs_on_the_policys_embeddings(parity, v05_tiny, tmp_path) -> None:
     cfg = load_config("v05", [*v05_tiny, "steps=2", "eval.every=0", "v05.prior=knn", *PROBE])
     run = train(start_run(cfg, tmp_path / "knn"))
-    assert len(run.v05.prior) == 4  # two steps of two prompts in its context
+    assert len(run.components["v05"].prior) == 4  # two steps of two prompts in its context
     probes = read_probe(run.run_dir)
     assert "anchor" not in probes[0]["methods"]  # a knn run has no anchors
     assert probes[1]["run_prior_heldout"]["n"] == 3

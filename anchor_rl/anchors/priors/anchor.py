@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,3 +63,10 @@ class AnchorPrior:
         embeddings: Tensor | None = None,
     ) -> None:
         """Static prior: observed rewards do not move the anchor (see the class docstring)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the anchors are set at construction and never learn."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see :meth:`state_dict`)."""

@@ -14,7 +14,7 @@ prior maps rewards to ``u = (r - lo) / (hi - lo)`` in ``[0, 1]`` and treats ``u`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -47,6 +47,14 @@ class Prior(Protocol):
         """Record observed rewards: ``rewards[i]`` is the 1-D tensor of rollout rewards of
         ``prompt_ids[i]`` (any number >= 1). Call it once per training step with all of that
         step's prompts (the ``history`` prior's forgetting counts calls)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the prior has learned, as plain data and tensors (for checkpoints)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned into a prior built with the same settings."""
         ...
 
 

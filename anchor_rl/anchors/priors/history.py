@@ -16,6 +16,7 @@ the policy's optimisation rather than how often a prompt happens to be drawn.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -112,3 +113,20 @@ class HistoryPrior:
             self._evidence[pid] = (a + float(u.sum()), b + float((1.0 - u).sum()), self.step)
         if self.base is not None:
             self.base.update(prompt_ids, rewards, embeddings)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clock, each prompt's discounted counts and the base prior's state."""
+        return {
+            "step": self.step,
+            "evidence": {pid: list(v) for pid, v in self._evidence.items()},
+            "base": None if self.base is None else self.base.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the base prior's too)."""
+        self.step = int(state["step"])
+        self._evidence = {
+            pid: (float(a), float(b), int(seen)) for pid, (a, b, seen) in state["evidence"].items()
+        }
+        if self.base is not None:
+            self.base.load_state_dict(state["base"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +134,11 @@ class KNNPrior:
         values = torch.stack([r.mean() for r in groups]).to(torch.float32)
         self.keys = (torch.cat([self.keys, keys]) if len(self) else keys)[-self.window :]
         self.values = torch.cat([self.values, values])[-self.window :]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The context: embeddings ``keys[N, D]`` and outcome means ``values[N]``."""
+        return {"keys": self.keys.clone(), "values": self.values.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the context of :meth:`state_dict`."""
+        self.keys, self.values = state["keys"].clone(), state["values"].clone()
