@@ -173,7 +173,7 @@ def presample_command(
 
     from anchor_rl.anchors.presample import RolloutSampler, presample
     from anchor_rl.anchors.store import AnchorStore
-    from anchor_rl.rollout.engine import HFEngine
+    from anchor_rl.rollout.engine import make_engine
 
     s = _setup(
         model,
@@ -193,7 +193,7 @@ def presample_command(
     console.print(
         f"presample {task}/{split}: {len(s.records)} prompts x M={m} into {s.db} (key {s.key.digest})"
     )
-    sampler = RolloutSampler(HFEngine(s.model, s.tokenizer), s.task, s.params)
+    sampler = RolloutSampler(make_engine("hf", s.model, s.tokenizer), s.task, s.params)
     with AnchorStore(s.db) as store:
         result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
         stats = store.get_anchors(s.key, [r.id for r in s.records])

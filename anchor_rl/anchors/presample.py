@@ -1,20 +1,22 @@
 """Presampling: roll a reference policy out M times per prompt and store the statistics.
 
 The core, :func:`presample`, is generic over a *sampler*, any function
-``sampler(records, n, seed) -> (rewards[P, n], correct[P, n])``. :class:`RolloutSampler`
-is the real one (a rollout engine plus the task's verifier); tests use fakes.
+``sampler(records, n, first, seed) -> (rewards[P, n], correct[P, n])``.
+:class:`RolloutSampler` is the real one (a rollout engine plus the task's verifier); tests
+use fakes.
 
 Resumable by construction: prompts are sampled in batches and each batch is stored in
 one transaction, so after a crash the prompts that already have M rollouts under the
 key are skipped and a prompt with fewer (only possible after raising M) is topped up.
+Rollout ``j`` of a prompt is seeded by (base seed, key, prompt id, ``j``), so the stored
+statistics do not depend on how the prompts were batched or which process sampled them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -36,12 +38,12 @@ from anchor_rl.anchors.keys import (
     sampling_settings,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore
+from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.tasks.base import Record, Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from anchor_rl.rollout.engine import HFEngine
     from anchor_rl.rollout.types import SamplingParams
 
 __all__ = [
@@ -57,9 +59,10 @@ __all__ = [
     "task_params",
 ]
 
-Sampler = Callable[[Sequence[Record], int, int], tuple[Tensor, Tensor]]
-"""``sampler(records, n, seed) -> (rewards[P, n] float, correct[P, n] bool)``: n rollouts of
-each of the P records, scored by the task. ``seed`` seeds this call's randomness."""
+Sampler = Callable[[Sequence[Record], int, Sequence[int], Hashable], tuple[Tensor, Tensor]]
+"""``sampler(records, n, first, seed) -> (rewards[P, n] float, correct[P, n] bool)``: n rollouts
+of each of the P records, scored by the task. Rollout ``j`` of record ``i`` is that prompt's
+rollout number ``first[i] + j``, seeded by ``(seed, record id, first[i] + j)``."""
 
 RefreshMode = Literal["reference", "policy"]
 
@@ -82,12 +85,6 @@ class PresampleResult:
     prompts_discarded: int = 0
 
 
-def _batch_seed(seed: int, key: str, batch: Sequence[tuple[str, int]], n: int) -> int:
-    """A 63-bit seed from the base seed, the key and the batch's (prompt id, rollouts so far)."""
-    text = f"{seed}|{key}|{n}|" + "|".join(f"{pid}:{have}" for pid, have in batch)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
-
-
 def presample(
     records: Sequence[Record],
     sampler: Sampler,
@@ -103,9 +100,10 @@ def presample(
     Records are sampled ``batch_size`` prompts per sampler call (``batch_size * need``
     responses); each call's statistics are stored in one transaction. Records that
     already have ``n >= m`` rollouts are skipped; records with ``0 < n < m`` get ``m - n``
-    more. Each call's seed is derived from ``seed``, the key and the batch's prompts and
-    counts, so a top-up never replays the samples it is added to. Several processes may
-    presample the same key at once: a prompt another one stored first is not merged twice.
+    more, numbered from ``n``: rollout ``j`` of a prompt is seeded by ``(seed, key, prompt
+    id, j)``, so a top-up never replays the samples it is added to and the result does not
+    depend on ``batch_size``. Several processes may presample the same key at once: a
+    prompt another one stored first is not merged twice.
     """
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
@@ -136,10 +134,8 @@ def presample(
         for need, pending in todo.items():
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
-                batch_seed = _batch_seed(
-                    seed, key.digest, [(r.id, have.get(r.id, 0)) for r in batch], need
-                )
-                rewards, correct = sampler(batch, need, batch_seed)
+                first = [have.get(r.id, 0) for r in batch]
+                rewards, correct = sampler(batch, need, first, (seed, key.digest))
                 if tuple(rewards.shape) != (len(batch), need):
                     raise ValueError(
                         f"the sampler returned rewards of shape {tuple(rewards.shape)}, expected {(len(batch), need)}"
@@ -210,20 +206,20 @@ class RolloutSampler:
     tools and instruction; ``reward`` and ``correct`` are the task's verdicts on each text.
     """
 
-    def __init__(self, engine: HFEngine, task: Task, params: SamplingParams) -> None:
+    def __init__(self, engine: Engine, task: Task, params: SamplingParams) -> None:
         self.engine, self.task = engine, task
         self.params = task_params(params, task)
 
-    def __call__(self, records: Sequence[Record], n: int, seed: int) -> tuple[Tensor, Tensor]:
-        """(rewards[P, n], correct[P, n]); rows of ``engine.rollout`` are grouped by prompt."""
-        generator = torch.Generator(device=self.engine.model.device).manual_seed(seed)
+    def __call__(
+        self, records: Sequence[Record], n: int, first: Sequence[int], seed: Hashable
+    ) -> tuple[Tensor, Tensor]:
+        """(rewards[P, n], correct[P, n]); see :data:`Sampler` for the seeding."""
+        requests = group_requests(
+            [r.prompt for r in records], [r.id for r in records], n, "presample", seed,
+            first=first,
+        )  # fmt: skip
         batch = self.engine.rollout(
-            [r.prompt for r in records],
-            n,
-            self.params,
-            tools=self.task.tools or None,
-            instruction=self.task.instruction,
-            generator=generator,
+            requests, self.params, tools=self.task.tools or None, instruction=self.task.instruction
         )
         rewards = torch.zeros(len(records), n, dtype=torch.float64)
         correct = torch.zeros(len(records), n, dtype=torch.bool)

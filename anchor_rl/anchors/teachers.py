@@ -26,7 +26,6 @@ Tool turns: tool output tokens carry ``loss_mask`` 0 and log-prob 0, like in rol
 
 from __future__ import annotations
 
-import hashlib
 import json
 import urllib.error
 import urllib.request
@@ -49,6 +48,7 @@ from anchor_rl.anchors.store import TeacherTrajectory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.tokenizer import encode_completion, encode_prompt
+from anchor_rl.rollout.engine import group_requests, make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 
@@ -275,11 +275,6 @@ class OracleTeacher:
         return out
 
 
-def _seed(seed: int, ids: Sequence[str], used: int) -> int:
-    text = f"{seed}|{used}|" + "|".join(ids)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
-
-
 class HFTeacher:
     """A local Hugging Face causal LM that samples until the task's verifier accepts.
 
@@ -303,14 +298,12 @@ class HFTeacher:
         seed: int = 0,
         micro_batch: int | None = None,
     ) -> None:
-        from anchor_rl.rollout.engine import HFEngine
-
         require_same_vocab(tokenizer, policy_tokenizer, "teacher")
         if tries < 1:
             raise ValueError(f"tries must be >= 1, got {tries}")
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.policy_tokenizer = policy_tokenizer
-        self.engine = HFEngine(model, tokenizer)
+        self.engine = make_engine("hf", model, tokenizer)
         self.params = task_params(params, task)
         self.tries, self.per_round = tries, min(per_round or tries, tries)
         self.seed, self.micro_batch = seed, micro_batch
@@ -329,16 +322,14 @@ class HFTeacher:
         pending, used = list(range(len(records))), 0
         while pending and used < self.tries:
             n = min(self.per_round, self.tries - used)
-            generator = torch.Generator(device=self.model.device)
-            generator.manual_seed(_seed(self.seed, [records[i].id for i in pending], used))
+            requests = group_requests(
+                [records[i].prompt for i in pending], [records[i].id for i in pending], n,
+                "teacher", self.seed, first=used,
+            )  # fmt: skip
             batch = self.engine.rollout(
-                [records[i].prompt for i in pending],
-                n,
-                self.params,
-                tools=self.task.tools or None,
+                requests, self.params, tools=self.task.tools or None,
                 instruction=self.task.instruction,
-                generator=generator,
-            )
+            )  # fmt: skip
             chosen: list[tuple[int, int, int]] = []  # (record index, batch row, tries so far)
             for j, i in enumerate(pending):
                 for k in range(n):

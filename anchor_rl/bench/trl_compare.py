@@ -569,6 +569,7 @@ def _evaluate_seed(spec: RunSpec, out: Path, results: dict[str, list[dict[str, A
     """Held-out metrics of the initial and both final models (same function, same prompts)."""
     from anchor_rl.models.loading import load_policy
     from anchor_rl.models.spec import load_spec, quiet_transformers
+    from anchor_rl.rollout.engine import make_engine
     from anchor_rl.trainer.run import evaluate_model, load_task
 
     cfg = spec.config
@@ -577,11 +578,12 @@ def _evaluate_seed(spec: RunSpec, out: Path, results: dict[str, list[dict[str, A
         return
     task = load_task(cfg)
     initial, tokenizer = load_spec(cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, False)
-    start = evaluate_model(initial, tokenizer, task, cfg, 0)
+    start = evaluate_model(make_engine("hf", initial, tokenizer), task, cfg, 0)
     for framework, result in pending.items():
         with quiet_transformers():
             model, tok = load_policy(result["policy_dir"], device=cfg.device)
-        result["eval"] = {"start": start, "final": evaluate_model(model, tok, task, cfg, cfg.steps)}
+        final = evaluate_model(make_engine("hf", model, tok), task, cfg, cfg.steps)
+        result["eval"] = {"start": start, "final": final}
         path = out / framework / f"seed{spec.seed}" / RESULT_FILE
         path.write_text(json.dumps(result, indent=2))
 

@@ -1,4 +1,5 @@
-"""Generation engines, the agent loop, the rollout batch type and sampling-based evaluation.
+"""Generation engines (the :class:`~anchor_rl.rollout.engine.Engine` seam), the agent loop and
+sampling-based evaluation.
 
 The public names below load lazily (PEP 562), so importing ``anchor_rl.rollout.commands``
 (the CLI) does not pull in torch and transformers.
@@ -11,8 +12,12 @@ from typing import Any
 
 _EXPORTS = {
     "SamplingParams": "types",
-    "RolloutBatch": "types",
-    "HFEngine": "engine",
+    "Engine": "engine",
+    "Request": "engine",
+    "make_engine": "engine",
+    "register_engine": "engine",
+    "request_seed": "engine",
+    "group_requests": "engine",
     "run_agent": "agent",
     "evaluate": "evaluate",
 }

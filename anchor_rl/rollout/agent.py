@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
@@ -59,16 +58,21 @@ def run_agent(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
+    seeds: Sequence[int],
     tools: Mapping[str, Tool] | None = None,
-    generator: torch.Generator | None = None,
 ) -> list[Response]:
     """Sample one response per prompt (token lists), calling ``tools`` when the policy asks.
+
+    ``seeds[i]`` seeds response i: its t-th token is drawn with ``uniforms(seeds[i], t)``
+    (tool-output tokens count in t), so a response depends on its prompt and seed only.
 
     A turn ends at a stop (eos, ``params.stop``, a tool's close tag) or when the response
     reaches ``params.max_new_tokens`` (then it is truncated). After a tool close tag the
     tool runs and ``<result>...</result>`` is appended (cut to the remaining budget, which
     also truncates), up to ``params.max_turns`` calls; a call beyond that ends the response.
     """
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     tools = dict(tools or {})
     close_tags = {f"</{tag}>" for tag in tools}
     stops = StopSet.build(tokenizer, [*params.stop, *close_tags], eos_ids(model, tokenizer))
@@ -82,7 +86,8 @@ def run_agent(
             params.temperature,
             params.top_p,
             stops,
-            generator,
+            [seeds[i] for i in active],
+            [len(responses[i].tokens) for i in active],
         )
         for i, turn in zip(active, turns, strict=True):
             r = responses[i]

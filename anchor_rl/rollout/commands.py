@@ -52,6 +52,7 @@ def eval_command(
     from rich.table import Table
 
     from anchor_rl.models.loading import load_policy
+    from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
@@ -74,10 +75,8 @@ def eval_command(
         max_turns=max_turns,
         stop=task_obj.stop,
     )
-    generator = torch.Generator(device=device).manual_seed(seed)
-    result = evaluate(
-        policy, tokenizer, task_obj, split, k, params, limit, generator, progress=True
-    )
+    engine = make_engine("hf", policy, tokenizer)
+    result = evaluate(engine, task_obj, split, k, params, limit, seed, progress=True)
     result["model"] = str(model)
     table = Table(title=f"{task} / {split}: {result['prompts']} prompts x {k} samples")
     table.add_column("metric")

@@ -1,15 +1,23 @@
-"""The Hugging Face rollout engine: n samples per prompt, packed into a ``RolloutBatch``.
+"""The engine seam: what samples rollouts, and the built-in Hugging Face engine.
 
-The engine holds a reference to the live policy, so weight updates are seen by the next
-``rollout`` without any sync. Sampling log-probs are taken under the distribution each
-token was drawn from (``logits / temperature``, top-p renormalised; 0 for greedy), see
-``anchor_rl.rollout.sampling``. Another backend (vLLM, an OpenAI-compatible server) only
-needs the same ``rollout`` method.
+An :class:`Engine` turns :class:`Request` objects (a prompt, a seed, a group id) into a
+:class:`~anchor_rl.batch.RolloutBatch` -- the agent loop with tool calls, loss masks and the
+log-probs of the sampled tokens under the distribution they were drawn from -- and takes
+the learner's weights through :meth:`Engine.sync_weights`. Each request carries its own
+seed, so a response depends on its prompt and seed only, not on its batch-mates or on the
+process that samples it (:mod:`anchor_rl.rollout.sampling`). Seeds come from
+:func:`request_seed`, e.g. ``(run seed, "train", draw, sample index)``.
+
+Engines register by name (:func:`register_engine`; the config's ``rollout.engine``) and are
+built with :func:`make_engine`; nothing outside this package constructs a concrete engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -19,6 +27,104 @@ from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.agent import Response, run_agent
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
+
+
+@dataclass(frozen=True)
+class Request:
+    """One response to sample.
+
+    prompt: the user's question as plain text (the engine applies the instruction and the
+        chat template).
+    seed: seeds this response's sampling (:func:`request_seed`).
+    group: the group id of its row in the returned batch.
+    """
+
+    prompt: str
+    seed: int
+    group: int = 0
+
+
+def request_seed(*parts: Hashable) -> int:
+    """A 63-bit seed that is a function of ``parts`` alone (their ``str``), e.g.
+    ``request_seed(run_seed, "train", draw, sample_index)``."""
+    text = "\x1f".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def group_requests(
+    prompts: Sequence[str],
+    keys: Sequence[Hashable],
+    n: int,
+    *stream: Hashable,
+    first: Sequence[int] | int = 0,
+) -> list[Request]:
+    """``n`` requests per prompt, group ``i`` for ``prompts[i]``, in that order.
+
+    Sample ``j`` of prompt ``i`` is seeded by ``request_seed(*stream, keys[i], first_i + j)``:
+    ``keys[i]`` names the prompt within the stream (a prompt id, a draw index), ``first``
+    (one per prompt, or one for all) numbers the samples, so a later top-up continues the
+    numbering instead of replaying the samples it is added to.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if len(keys) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
+    starts = [first] * len(prompts) if isinstance(first, int) else list(first)
+    return [
+        Request(prompt, request_seed(*stream, key, start + j), group)
+        for group, (prompt, key, start) in enumerate(zip(prompts, keys, starts, strict=True))
+        for j in range(n)
+    ]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What samples rollouts for the trainer, presampling, evaluation and teachers."""
+
+    def rollout(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        tools: Mapping[str, Tool] | None = None,
+        instruction: str | None = None,
+    ) -> RolloutBatch:
+        """One response per request, rows in request order, ``batch.group[i] =
+        requests[i].group``, with the agent loop (``tools``), loss masks and the sampled
+        tokens' log-probs under the distribution they were drawn from."""
+        ...
+
+    def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Sample from these weights from now on: ``state`` is the learner's
+        ``state_dict()`` (names to tensors, on any device). An engine in another process
+        may receive it as a saved checkpoint instead."""
+        ...
+
+
+EngineFactory = Callable[[PreTrainedModel, PreTrainedTokenizerBase], Engine]
+ENGINES: dict[str, EngineFactory] = {}
+"""Registered engine factories by name: ``factory(model, tokenizer) -> Engine``, given the
+learner's live model (an engine in another process copies its config and weights)."""
+
+
+def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Register the decorated factory as engine ``name`` (returned unchanged)."""
+
+    def decorate(factory: EngineFactory) -> EngineFactory:
+        if name in ENGINES:
+            raise ValueError(f"an engine named {name!r} is already registered")
+        ENGINES[name] = factory
+        return factory
+
+    return decorate
+
+
+def make_engine(
+    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> Engine:
+    """The engine registered as ``name``, built on ``model``; KeyError listing the names."""
+    if name not in ENGINES:
+        raise KeyError(f"unknown engine {name!r}; registered: {', '.join(ENGINES)}")
+    return ENGINES[name](model, tokenizer)
 
 
 def pack(
@@ -53,7 +159,10 @@ def pack(
 
 
 class HFEngine:
-    """Batched sampling with a ``transformers`` causal LM and a KV cache.
+    """Batched sampling with a ``transformers`` causal LM and a KV cache, in this process.
+
+    Built on the learner's live model it shares its weights: ``sync_weights`` with that
+    model's own tensors is free, and any other state dict is copied in.
 
     max_batch: most responses generated together (rows beyond it run in further chunks;
     the KV cache of one chunk is the memory peak).
@@ -70,42 +179,50 @@ class HFEngine:
 
     def rollout(
         self,
-        prompts: list[str],
-        n: int,
+        requests: Sequence[Request],
         params: SamplingParams,
         tools: Mapping[str, Tool] | None = None,
         instruction: str | None = None,
-        generator: torch.Generator | None = None,
     ) -> RolloutBatch:
-        """``n`` responses per prompt; rows ``i*n .. i*n+n-1`` belong to prompt i (group i).
-
-        With ``tools`` the agent loop runs (see ``run_agent``). ``generator`` (on the
-        model's device) makes the sampling reproducible.
-        """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompts:
-            raise ValueError("rollout needs at least one prompt")
-        encoded = [encode_prompt(self.tokenizer, p, instruction) for p in prompts]
+        """One response per request (see :class:`Engine`); with ``tools`` the agent loop
+        runs (:func:`~anchor_rl.rollout.agent.run_agent`)."""
+        if not requests:
+            raise ValueError("rollout needs at least one request")
+        encoded = {p: encode_prompt(self.tokenizer, p, instruction) for p in {r.prompt for r in requests}}
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in encoded)
+        longest = max(len(p) for p in encoded.values())
         if limit is not None and longest + params.max_new_tokens > limit:
             raise ValueError(
                 f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} "
                 f"exceeds the model's {limit} positions"
             )
-        rows = [ids for ids in encoded for _ in range(n)]
+        rows = [encoded[r.prompt] for r in requests]
+        seeds = [r.seed for r in requests]
         responses: list[Response] = []
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 for start in range(0, len(rows), self.max_batch):
-                    chunk = rows[start : start + self.max_batch]
+                    end = start + self.max_batch
                     responses += run_agent(
-                        self.model, self.tokenizer, chunk, params, tools, generator
-                    )
+                        self.model, self.tokenizer, rows[start:end], params, seeds[start:end],
+                        tools,
+                    )  # fmt: skip
         finally:
             self.model.train(was_training)
-        group = torch.arange(len(prompts)).repeat_interleave(n)
+        group = torch.as_tensor([r.group for r in requests], dtype=torch.long)
         return pack(responses, rows, group, self.tokenizer)
+
+    def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` into the model, unless it is the model's own tensors already."""
+        own = self.model.state_dict()
+        if all(k in own and own[k].data_ptr() == v.data_ptr() for k, v in state.items()):
+            return
+        self.model.load_state_dict(state)
+
+
+@register_engine("hf")
+def _hf_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Engine:
+    """The in-process engine on the learner's own model (no copy: updates are seen at once)."""
+    return HFEngine(model, tokenizer)

@@ -10,13 +10,12 @@ PVPO's group sampling treats differently.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.rollout.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,20 +63,21 @@ def trace_budget(tokenizer: PreTrainedTokenizerBase, task: Task, records: Sequen
 
 
 def evaluate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    engine: Engine,
     task: Task,
     split: Split = "test",
     k: int = 8,
     params: SamplingParams | None = None,
     limit: int | None = None,
-    generator: torch.Generator | None = None,
-    max_batch: int = 256,
+    seed: Hashable = 0,
+    chunk: int = 256,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Sample k responses for each of the first ``limit`` records of ``split`` and score them.
 
     ``params`` defaults to ``SamplingParams(stop=task.stop)``; the task's tools are used.
+    Sample ``j`` of record ``r`` is seeded by ``("eval", seed, split, r.id, j)``, so the
+    figures do not depend on ``chunk`` (about how many responses each engine call samples).
     Returns the ``accuracy_metrics`` plus ``mean_reward``, ``mean_response_tokens``
     (tool output included), ``mean_policy_tokens``, ``mean_tool_calls``,
     ``truncated`` (fraction), counts, and ``per_prompt`` (record id -> correct count).
@@ -90,19 +90,19 @@ def evaluate(
     records = task.records(split)[:limit]
     if not records:
         raise ValueError(f"task {task.name!r} has no {split} records")
-    engine = HFEngine(model, tokenizer, max_batch=max_batch)
-    per_chunk = max(1, max_batch // k)
+    per_chunk = max(1, chunk // k)
     correct: list[int] = []
     rewards: list[float] = []
     totals = {"response": 0.0, "policy": 0.0, "tools": 0.0, "truncated": 0.0}
     with Progress(disable=not progress) as bar:
         job = bar.add_task(f"eval {task.name}/{split}", total=len(records))
         for start in range(0, len(records), per_chunk):
-            chunk = records[start : start + per_chunk]
-            batch = engine.rollout(
-                [r.prompt for r in chunk], k, params, task.tools, task.instruction, generator
+            part = records[start : start + per_chunk]
+            requests = group_requests(
+                [r.prompt for r in part], [r.id for r in part], k, "eval", seed, split
             )
-            for i, record in enumerate(chunk):
+            batch = engine.rollout(requests, params, task.tools, task.instruction)
+            for i, record in enumerate(part):
                 texts = batch.texts[i * k : (i + 1) * k]
                 correct.append(sum(task.correct(t, record) for t in texts))
                 rewards += [task.reward(t, record) for t in texts]
@@ -110,7 +110,7 @@ def evaluate(
             totals["policy"] += batch.loss_mask.sum().item()
             totals["tools"] += batch.tool_calls.sum().item()
             totals["truncated"] += batch.truncated.sum().item()
-            bar.update(job, advance=len(chunk))
+            bar.update(job, advance=len(part))
     samples = len(records) * k
     return {
         "task": task.name,

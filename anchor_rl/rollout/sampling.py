@@ -5,6 +5,14 @@ distribution it was actually drawn from: ``log_softmax(logits / temperature)``,
 restricted to the top-p nucleus and renormalised over it. At temperature 1 and top-p 1
 that is the model's own log-prob, the value ``token_logprobs`` recomputes; at
 temperature 0 (greedy) the distribution is a point mass and the log-prob is 0.
+
+Randomness is per row: the t-th token of a response is drawn by inverse-CDF sampling
+with the uniform number :func:`uniforms` derives from the response's own seed and t
+(a counter-based generator, splitmix64). A response therefore never depends on which
+other responses share its batch, how the batch is chunked, or which process samples it
+-- up to the floating-point rounding of the forward pass, which a different batch
+shape may change in the last bits (and, rarely, so a token whose uniform falls within
+that rounding of a CDF boundary).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -75,21 +84,44 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[
     return sorted(ids)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
+    """One uniform number in ``[0, 1)`` per row, a pure function of ``(seed, counter)``.
+
+    splitmix64 of ``seed + (counter + 1) * golden`` (wrapping 64-bit arithmetic), its top
+    53 bits as a float64. ``seeds`` are any 64-bit integers (e.g. :func:`request_seed`);
+    ``counters`` count the draws of a row (its tokens so far).
+    """
+    z = np.asarray(seeds, dtype=np.uint64) + (np.asarray(counters, dtype=np.uint64) + 1) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float,
     top_p: float,
-    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from ``logits[B, V]``.
 
-    Returns ``(tokens[B], logprobs[B])`` with log-probs under the processed
-    distribution (temperature, then top-p renormalisation; 0 for greedy).
+    ``uniform[B]`` (float64 in ``[0, 1)``, one per row; required unless greedy) picks each
+    row's token by inverse-CDF sampling of the processed distribution. Returns
+    ``(tokens[B], logprobs[B])`` with log-probs under the processed distribution
+    (temperature, then top-p renormalisation; 0 for greedy).
     """
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    if uniform is None or uniform.shape != logits.shape[:1]:
+        raise ValueError(f"sampling needs one uniform number per row ({logits.shape[0]})")
     logp = torch.log_softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_logp, order = logp.sort(dim=-1, descending=True)
@@ -97,7 +129,13 @@ def sample_next(
         drop_sorted = mass_before >= top_p  # the top token always has mass_before 0 and stays
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    cdf = logp.exp().double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = uniform.to(cdf.device, torch.float64)[:, None] * total
+    tokens = torch.searchsorted(cdf, target, right=True)
+    # u * total may round up to total: fall back to the last token with positive mass
+    last = (cdf < total).sum(-1, keepdim=True)
+    tokens = torch.minimum(tokens, last).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -110,17 +148,23 @@ def generate_turn(
     temperature: float,
     top_p: float,
     stops: StopSet,
-    generator: torch.Generator | None = None,
+    seeds: Sequence[int],
+    counters: Sequence[int],
 ) -> list[Turn]:
     """Continue each context until it hits a stop or its own token budget.
 
     contexts: B non-empty token lists (left-padded together; the cache holds them).
     budgets: B positive ints, the most tokens row i may generate in this turn.
+    seeds, counters: B ints each: row i's t-th token of this turn is drawn with
+        ``uniforms(seeds[i], counters[i] + t)`` (the counter continues across turns).
     Rows that finish are dropped from the batch (and from the KV cache), so the others
     do not pay for them. Returns one ``Turn`` per row, in order.
     """
-    if len(contexts) != len(budgets):
-        raise ValueError(f"{len(contexts)} contexts but {len(budgets)} budgets")
+    if not len(contexts) == len(budgets) == len(seeds) == len(counters):
+        raise ValueError(
+            f"{len(contexts)} contexts, {len(budgets)} budgets, {len(seeds)} seeds and "
+            f"{len(counters)} counters: one of each per row"
+        )
     if any(len(c) == 0 for c in contexts):
         raise ValueError("every context needs at least one token")
     if any(b < 1 for b in budgets):
@@ -139,7 +183,14 @@ def generate_turn(
     live = list(range(len(contexts)))  # original row of each batch position
     window = max((len(s) for s in stops.string_stops), default=0) + 2
     while True:
-        tokens, logp = sample_next(out.logits[:, -1, :], temperature, top_p, generator)
+        uniform = None
+        if temperature > 0:
+            draws = uniforms(
+                [seeds[row] for row in live],
+                [counters[row] + len(turns[row].tokens) for row in live],
+            )
+            uniform = torch.from_numpy(draws)
+        tokens, logp = sample_next(out.logits[:, -1, :], temperature, top_p, uniform)
         done = []
         for row, tok, lp in zip(live, tokens.tolist(), logp.tolist(), strict=True):
             turn = turns[row]

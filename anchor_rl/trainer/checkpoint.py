@@ -6,7 +6,7 @@ Layout of ``RUN_DIR/checkpoints/step_000042/``::
     policy/         save_pretrained (safetensors) + tokenizer
     optimizer.pt    optimizer.state_dict()
     scheduler.pt    scheduler.state_dict()
-    rng.pt          python, numpy and torch global RNG states and the rollout generator's
+    rng.pt          python, numpy and torch global RNG states and the run's generator's
     state.json      TrainState (step, data cursor, cumulative counters) and the format
     NAME.pt         each component's state_dict() (``critic.pt``, ``pvpo.pt``, ``v05.pt``...)
 

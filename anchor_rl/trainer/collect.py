@@ -4,7 +4,9 @@ Shapes: P prompts per round, n responses per prompt, G groups kept, B = G * n re
 T response tokens.
 
 ``collect`` draws prompts from the stream, samples ``n`` responses each, scores them and
-applies the group filter. Without a filter that is one round. With dynamic sampling
+applies the group filter. Response ``j`` of the prompt drawn ``d``-th from the stream is
+seeded by ``(seed, "train", d, j)`` (:func:`train_requests`), whatever else is sampled
+with it. Without a filter that is one round. With dynamic sampling
 (DAPO) groups whose rewards are all equal carry no gradient, so they are dropped and
 further rounds are sampled until ``prompts_per_step`` groups are kept or
 ``filter.max_rounds`` rounds have run; surplus kept groups of the last round are dropped.
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.rewards.overlong import soft_punishment
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import Engine, Request, group_requests
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.config import TrainConfig
@@ -32,6 +34,8 @@ from anchor_rl.trainer.timing import Timer
 class Scored:
     """Scored responses. ``batch.group[i]`` indexes ``records`` (group ids 0..G-1).
 
+    draws: the stream position each group's prompt was drawn at (seeds its rollouts; see
+        :func:`train_requests`), one per record; None for rows that were not drawn.
     rewards: FloatTensor[B], the training reward (task reward plus shaping).
     task_rewards: FloatTensor[B], the task's reward alone.
     correct: BoolTensor[B], the task's verdict.
@@ -45,10 +49,13 @@ class Scored:
     task_rewards: Tensor
     correct: Tensor
     off_policy: Tensor | None = None
+    draws: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.off_policy is None:
             self.off_policy = torch.zeros(len(self.batch), dtype=torch.bool)
+        if self.draws is not None and len(self.draws) != len(self.records):
+            raise ValueError(f"{len(self.draws)} draws for {len(self.records)} records")
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -59,13 +66,15 @@ class Scored:
         rows = keep[self.batch.group]
         batch = self.batch.select(rows)
         batch.group = new_id[batch.group]
+        kept = keep.tolist()
         return Scored(
             batch=batch,
-            records=[r for r, k in zip(self.records, keep.tolist(), strict=True) if k],
+            records=[r for r, k in zip(self.records, kept, strict=True) if k],
             rewards=self.rewards[rows],
             task_rewards=self.task_rewards[rows],
             correct=self.correct[rows],
             off_policy=self.off_policy[rows],
+            draws=None if self.draws is None else [d for d, k in zip(self.draws, kept, strict=True) if k],
         )
 
     @staticmethod
@@ -84,6 +93,7 @@ class Scored:
             task_rewards=torch.cat([p.task_rewards for p in parts]),
             correct=torch.cat([p.correct for p in parts]),
             off_policy=torch.cat([p.off_policy for p in parts]),
+            draws=None if any(p.draws is None for p in parts) else [d for p in parts for d in p.draws],
         )
 
 
@@ -99,25 +109,45 @@ def sampling_params(cfg: TrainConfig, task: Task) -> SamplingParams:
     )
 
 
+def train_requests(
+    records: Sequence[Record],
+    draws: Sequence[int],
+    n: int,
+    seed: int,
+    first: Sequence[int] | int = 0,
+    stream: str = "train",
+) -> list[Request]:
+    """``n`` requests for each record, group i for ``records[i]``; sample ``j`` of the prompt
+    drawn at stream position ``draws[i]`` is seeded by ``(seed, stream, draws[i], first_i + j)``
+    (a top-up continues from ``first``)."""
+    return group_requests([r.prompt for r in records], draws, n, seed, stream, first=first)
+
+
 def generate(
-    engine: HFEngine,
+    engine: Engine,
     task: Task,
     records: Sequence[Record],
+    draws: Sequence[int],
     cfg: TrainConfig,
-    generator: torch.Generator,
+    stream: str = "train",
 ) -> RolloutBatch:
-    """``rollout.n`` responses for each record; group i belongs to ``records[i]``."""
+    """``rollout.n`` responses for each record (drawn at ``draws``); group i belongs to
+    ``records[i]``."""
     return engine.rollout(
-        [r.prompt for r in records],
-        cfg.rollout.n,
+        train_requests(records, draws, cfg.rollout.n, cfg.seed, stream=stream),
         sampling_params(cfg, task),
         tools=task.tools or None,
         instruction=task.instruction,
-        generator=generator,
     )
 
 
-def score(task: Task, batch: RolloutBatch, records: Sequence[Record], cfg: TrainConfig) -> Scored:
+def score(
+    task: Task,
+    batch: RolloutBatch,
+    records: Sequence[Record],
+    cfg: TrainConfig,
+    draws: Sequence[int] | None = None,
+) -> Scored:
     """Task rewards and verdicts, plus the soft overlong punishment when configured.
 
     The punishment reads the whole response length (tool output included), the quantity
@@ -137,7 +167,8 @@ def score(task: Task, batch: RolloutBatch, records: Sequence[Record], cfg: Train
         lengths = batch.attention_mask.sum(-1).long().tolist()
         penalty = [soft_punishment(n, cfg.rollout.max_new_tokens, cache) for n in lengths]
         rewards = task_rewards + torch.tensor(penalty, dtype=torch.float32)
-    return Scored(batch, list(records), rewards, task_rewards, correct)
+    draws = None if draws is None else list(draws)
+    return Scored(batch, list(records), rewards, task_rewards, correct, draws=draws)
 
 
 def informative_groups(scored: Scored) -> Tensor:
@@ -150,11 +181,10 @@ def informative_groups(scored: Scored) -> Tensor:
 
 
 def collect(
-    engine: HFEngine,
+    engine: Engine,
     sampler: PromptSampler,
     task: Task,
     cfg: TrainConfig,
-    generator: torch.Generator,
     timer: Timer,
 ) -> tuple[Scored, dict[str, float]]:
     """Rollout -> rewards -> filter, in rounds when the filter drops groups.
@@ -170,11 +200,13 @@ def collect(
     generated: list[Scored] = []
     kept: list[Scored] = []
     while True:
+        first = sampler.consumed
         records = sampler.take(want)
+        draws = list(range(first, first + len(records)))
         with timer("generate"):
-            batch = generate(engine, task, records, cfg, generator)
+            batch = generate(engine, task, records, draws, cfg)
         with timer("score"):
-            scored = score(task, batch, records, cfg)
+            scored = score(task, batch, records, cfg, draws)
         generated.append(scored)
         kept.append(scored.select_groups(informative_groups(scored)) if dynamic else scored)
         have = sum(len(k.records) for k in kept)

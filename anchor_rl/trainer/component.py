@@ -49,7 +49,7 @@ class Setup:
     resuming: the run is being restored from a checkpoint (set-up work that a new run
         records, such as writing its presampling report, is skipped; state comes from
         ``load_state_dict``).
-    generator: the run's random stream (mini-batch shuffles, training rollouts).
+    generator: the run's random stream (mini-batch shuffles; rollouts are seeded per request).
     reference: the frozen initial policy (``ref_model`` or ``model`` loaded again), loaded
         on first use by :meth:`get_reference` unless the run loaded it for its KL term.
     """

@@ -64,6 +64,15 @@ class RolloutConfig(_Section):
     budget: Literal["fixed", "adaptive"] = "fixed"
     """`fixed`: n responses per prompt. `adaptive` (V0.5): n to start with, then top-up rollouts
     for the prompts whose rollouts reject the prior (see the `v05` section)."""
+    engine: str = "hf"
+    """The registered rollout engine (anchor_rl.rollout.engine.register_engine): `hf` samples in
+    this process with the policy's own weights. Every training, presampling and evaluation
+    rollout goes through it; each response is seeded by (seed, stream, prompt, sample index)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        return _registered("engine", value)
 
 
 class RewardConfig(_Section):
@@ -95,11 +104,14 @@ class FilterConfig(_Section):
 
 
 def _registered(kind: str, name: str) -> str:
-    """``name`` if it is a registered estimator (``kind="estimator"``) or policy loss; the
-    registry is imported here, at validation, so importing the config needs no torch."""
-    from anchor_rl.algos import registry
+    """``name`` if it is a registered ``estimator``, ``policy loss`` or ``engine``; the
+    registries are imported here, at validation, so importing the config needs no torch."""
+    if kind == "engine":
+        from anchor_rl.rollout.engine import ENGINES as names
+    else:
+        from anchor_rl.algos import registry
 
-    names = registry.ESTIMATORS if kind == "estimator" else registry.POLICY_LOSSES
+        names = registry.ESTIMATORS if kind == "estimator" else registry.POLICY_LOSSES
     if name not in names:
         raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(names)}")
     return name

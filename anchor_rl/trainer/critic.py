@@ -25,7 +25,7 @@ The critic is a copy of the *initial* policy's backbone with a zero-initialised 
 head (:mod:`anchor_rl.models.critic`): we initialise from the SFT reference, where the
 VAPO paper initialises from a reward model, which this project does not have. Value
 pretraining (``critic.pretrain_steps``) fits it to Monte-Carlo returns of the fixed
-initial policy before RL, on a prompt stream and a sampling generator of its own, so the
+initial policy before RL, on a prompt stream and sampling seeds of its own, so the
 RL run sees the same prompts with or without it; the result is cached and reused
 (:func:`anchor_rl.models.value_pretrain.pretrain_value_cached`).
 """
@@ -51,7 +51,7 @@ from anchor_rl.models.sft import cache_root
 from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import Engine
 from anchor_rl.tasks.base import Task
 from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.component import Component, Setup, Step
@@ -62,8 +62,9 @@ PRETRAIN_FILE = "critic_pretrain.json"
 """Value-pretraining history in the run directory."""
 PRETRAIN_STREAM = 7919
 """Offset of value pretraining's prompt-stream and sampling seeds from the run's seed."""
-PRETRAIN_FORMAT = 1
-"""Bump when value pretraining changes in a way the cache key does not see."""
+PRETRAIN_FORMAT = 2
+"""Bump when value pretraining changes in a way the cache key does not see (2: per-request
+sampling seeds)."""
 
 
 # --- building, pretraining, restoring -------------------------------------------------
@@ -84,7 +85,7 @@ def critic_optimizer(cfg: TrainConfig, critic: Critic) -> torch.optim.Optimizer:
 
 
 def pretrain_critic(
-    cfg: TrainConfig, policy: PreTrainedModel, engine: HFEngine, task: Task
+    cfg: TrainConfig, policy: PreTrainedModel, engine: Engine, task: Task
 ) -> tuple[Critic, dict[str, Any]]:
     """Value pretraining (VAPO): ``(critic, history)``, cached under ``$ANCHOR_RL_CACHE/critic``.
 
@@ -92,17 +93,18 @@ def pretrain_critic(
     prompts x ``rollout.n`` responses from the policy as it is now (the fixed reference),
     scores them with the training reward and fits the critic to Monte-Carlo returns
     (lambda = gamma = 1), in ``optim.mini_batches`` mini-batches at ``critic.lr``. The
-    prompts and samples come from streams seeded by ``seed + PRETRAIN_STREAM``, not the
-    run's. ``history`` adds ``rollouts`` (responses sampled) to
+    prompts come from a stream seeded by ``seed + PRETRAIN_STREAM`` and the samples from
+    the seeds of the ``value_pretrain`` stream, not the run's. ``history`` adds ``rollouts`` (responses sampled) to
     :func:`~anchor_rl.models.value_pretrain.pretrain_value`'s and ``from_cache``.
     """
     cc, oc, rc = cfg.critic, cfg.optim, cfg.rollout
     sampler = PromptSampler(task.records("train"), cfg.seed + PRETRAIN_STREAM)
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed + PRETRAIN_STREAM)
 
     def sample(step: int) -> tuple[RolloutBatch, Tensor]:
+        first = sampler.consumed
         records = sampler.take(rc.prompts_per_step)
-        batch = generate(engine, task, records, cfg, generator)
+        draws = range(first, first + len(records))
+        batch = generate(engine, task, records, draws, cfg, stream="value_pretrain")
         return batch, score(task, batch, records, cfg).rewards
 
     size = rc.prompts_per_step * rc.n

@@ -45,7 +45,7 @@ def train_step(run: Run) -> dict[str, float]:
     cfg, timer = run.cfg, Timer()
     components = run.components.values()
     # 1-3: rollout -> rewards -> filter (several rounds under dynamic sampling)
-    scored, metrics = collect(run.engine, run.sampler, run.task, cfg, run.generator, timer)
+    scored, metrics = collect(run.engine, run.sampler, run.task, cfg, timer)
     step = Step(run.state.step + 1, scored, metrics, timer)
     for component in components:  # V0.5 top-ups and fusion, PVPO refresh and teacher rows
         component.on_rollouts(step)
@@ -76,6 +76,7 @@ def train_step(run: Run) -> dict[str, float]:
                 run.policy, run.optimizer, run.scheduler, batch, mask,
                 old_logp, ref_logp, adv, scored.correct, cfg, run.generator,
             )  # fmt: skip
+            run.engine.sync_weights(run.policy.state_dict())  # the next rollouts' weights
         metrics |= advantage_metrics(adv, mask)
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
         if ref_logp is not None:

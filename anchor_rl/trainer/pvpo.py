@@ -60,7 +60,7 @@ from anchor_rl.anchors.teachers import (
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
 from anchor_rl.models.spec import frozen, load_spec
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import Scored, sampling_params, score
@@ -134,6 +134,7 @@ def inject_teachers(
     return Scored(
         batch=RolloutBatch.cat([batch, teacher]).select(order),
         records=scored.records,
+        draws=scored.draws,
         rewards=torch.cat([scored.rewards, graded.rewards])[order],
         task_rewards=torch.cat([scored.task_rewards, graded.task_rewards])[order],
         correct=torch.cat([scored.correct, graded.correct])[order],
@@ -184,7 +185,7 @@ def presample_anchors(setup: Setup) -> AnchorSet:
     params = presample_params(cfg, task)
     key = reference_key(cfg, task, tokenizer, reference)
     store = AnchorStore(store_path(cfg.pvpo))
-    sampler = RolloutSampler(HFEngine(reference, tokenizer), task, params)
+    sampler = RolloutSampler(make_engine(cfg.rollout.engine, reference, tokenizer), task, params)
     pc = cfg.pvpo
     records = list(setup.records)
     result = presample(
@@ -239,7 +240,7 @@ class PVPO(Component):
         with group sampling, also printed beside the paper's distributions)."""
         cfg = setup.cfg
         self.cfg, self.task, self.tokenizer = cfg, setup.task, setup.tokenizer
-        self.policy, self.set = setup.policy, anchor_set
+        self.policy, self.engine, self.set = setup.policy, setup.engine, anchor_set
         self.records, self.trajectories = list(anchor_set.records), {}
         filtered = None
         if cfg.filter.kind == "group":
@@ -297,15 +298,14 @@ class PVPO(Component):
         """Re-estimate the anchors of the training prompts after ``completed`` steps
         (``pvpo.refresh_mode``).
 
-        ``policy`` mode samples the current policy; the refresh key carries its weight
-        fingerprint, so a resumed run finds the rows it stored before and samples nothing.
+        ``policy`` mode samples the current policy (through the run's engine, which has its
+        weights); the refresh key carries its weight fingerprint, so a resumed run finds the
+        rows it stored before and samples nothing.
         """
         pc = self.cfg.pvpo
         started = time.perf_counter()
         if pc.refresh_mode == "policy":
-            sampler: Sampler = RolloutSampler(
-                HFEngine(self.policy, self.tokenizer), self.task, self.set.params
-            )
+            sampler: Sampler = RolloutSampler(self.engine, self.task, self.set.params)
             fingerprint = fingerprint_model(self.policy)
         else:
             sampler, fingerprint = self.set.sampler, None

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.algos.registry import get_estimator
 from anchor_rl.models.loading import load_policy
 from anchor_rl.models.spec import load_spec, quiet_transformers
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import Engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks import get_task
@@ -56,7 +56,7 @@ class Run:
     policy: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     ref: PreTrainedModel | None
-    engine: HFEngine
+    engine: Engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
@@ -132,30 +132,24 @@ def load_task(cfg: TrainConfig) -> Task:
 
 def evaluate_policy(run: Run, step: int) -> dict[str, float]:
     """Held-out metrics (``eval/*``) of the run's current policy; see :func:`evaluate_model`."""
-    return evaluate_model(run.policy, run.tokenizer, run.task, run.cfg, step)
+    return evaluate_model(run.engine, run.task, run.cfg, step)
 
 
-def evaluate_model(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    cfg: TrainConfig,
-    step: int,
-) -> dict[str, float]:
-    """Held-out metrics (``eval/*``) of ``model`` on the task's test split, per ``cfg.eval``
-    (and ``eval/train_accuracy`` on the first ``eval.train_prompts`` training prompts).
+def evaluate_model(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> dict[str, float]:
+    """Held-out metrics (``eval/*``) of the model ``engine`` samples, on the task's test split,
+    per ``cfg.eval`` (and ``eval/train_accuracy`` on the first ``eval.train_prompts`` training
+    prompts).
 
-    Sampling (when ``eval.temperature > 0``) draws from its own generator seeded by
-    ``(seed, step)``, so evaluating never shifts the training run's random stream.
+    Sampling (when ``eval.temperature > 0``) is seeded by ``(seed, step)`` and each sample's
+    prompt and index, so evaluating never touches the training run's random stream.
     """
     ec, rc = cfg.eval, cfg.rollout
     params = SamplingParams(
         temperature=ec.temperature, top_p=ec.top_p, max_new_tokens=rc.max_new_tokens,
         max_turns=rc.max_turns, stop=list(task.stop),
     )  # fmt: skip
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 1_000_003 + step)
-    result = evaluate(model, tokenizer, task, "test", k=ec.k, params=params,
-                      limit=ec.prompts, generator=generator)  # fmt: skip
+    seed = (cfg.seed, step)
+    result = evaluate(engine, task, "test", k=ec.k, params=params, limit=ec.prompts, seed=seed)
     metrics = {
         "eval/accuracy": result[f"avg@{ec.k}"],
         "eval/reward": result["mean_reward"],
@@ -166,8 +160,7 @@ def evaluate_model(
         metrics[f"eval/pass@{ec.k}"] = result[f"pass@{ec.k}"]
     if ec.train_prompts:
         limit = min(ec.train_prompts, cfg.train_prompts or ec.train_prompts)
-        train = evaluate(model, tokenizer, task, "train", k=ec.k, params=params,
-                         limit=limit, generator=generator)  # fmt: skip
+        train = evaluate(engine, task, "train", k=ec.k, params=params, limit=limit, seed=seed)
         metrics["eval/train_accuracy"] = train[f"avg@{ec.k}"]
     return metrics
 
@@ -253,7 +246,7 @@ def _assemble(
         records=task.records("train")[: cfg.train_prompts],
         policy=policy,
         tokenizer=tokenizer,
-        engine=HFEngine(policy, tokenizer),
+        engine=make_engine(cfg.rollout.engine, policy, tokenizer),
         generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
         resuming=resuming,
     )

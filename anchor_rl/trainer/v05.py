@@ -45,9 +45,15 @@ from transformers import PreTrainedModel
 from anchor_rl.algos import v05 as v05_math
 from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import Engine
 from anchor_rl.tasks.base import Task
-from anchor_rl.trainer.collect import Scored, collect_metrics, sampling_params, score
+from anchor_rl.trainer.collect import (
+    Scored,
+    collect_metrics,
+    sampling_params,
+    score,
+    train_requests,
+)
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors, write_presample_report
@@ -212,38 +218,46 @@ def merge_rows(a: Scored, b: Scored) -> Scored:
 
 
 def top_up(
-    engine: HFEngine,
+    engine: Engine,
     task: Task,
     cfg: TrainConfig,
     scored: Scored,
     prior: Tensor,
-    generator: torch.Generator,
     timer: Timer,
 ) -> tuple[Scored, list[Scored]]:
     """Adaptive budget: up to ``v05.top_up_rounds`` rounds of extra rollouts.
 
     Before each round the budget rule (:func:`extra_counts`) is evaluated on every rollout
-    so far; the round samples every prompt's extras in one engine call (each prompt
-    repeated once per extra rollout). It stops early when no prompt asks for more.
+    so far; the round samples every prompt's extras in one engine call. A prompt's extras
+    continue its sample numbering (:func:`~anchor_rl.trainer.collect.train_requests`: the
+    k-th rollout of a prompt has the same seed whether it was sampled first or topped up).
+    It stops early when no prompt asks for more.
 
     Returns the merged rows (ragged groups, sorted by group) and the rows each round added.
     """
+    if scored.draws is None:
+        raise ValueError("top-ups need the stream positions of the prompts (Scored.draws)")
     vc, added = cfg.v05, []
     for _ in range(vc.top_up_rounds):
         extra = extra_counts(fuse_groups(scored.rewards, scored.batch.group, prior, vc), vc)
         if not bool(extra.any()):
             break
-        rows = torch.arange(len(extra)).repeat_interleave(extra)
+        have = torch.bincount(scored.batch.group, minlength=len(scored.records))
+        wanted = extra.nonzero().flatten().tolist()
+        requests = [
+            request
+            for g in wanted
+            for request in train_requests(
+                [scored.records[g]], [scored.draws[g]], int(extra[g]), cfg.seed,
+                first=int(have[g]),
+            )  # fmt: skip
+        ]
         with timer("generate"):
             batch = engine.rollout(
-                [scored.records[g].prompt for g in rows.tolist()],
-                1,
-                sampling_params(cfg, task),
-                tools=task.tools or None,
+                requests, sampling_params(cfg, task), tools=task.tools or None,
                 instruction=task.instruction,
-                generator=generator,
-            )
-        batch.group = rows
+            )  # fmt: skip
+        batch.group = torch.arange(len(extra)).repeat_interleave(extra)
         with timer("score"):
             new = score(task, batch, scored.records, cfg)
         added.append(new)
@@ -325,7 +339,7 @@ class V05(Component):
         component's ``rollouts/presample``)."""
         cfg = setup.cfg
         self.cfg, self.task, self.policy = cfg, setup.task, setup.policy
-        self.engine, self.generator = setup.engine, setup.generator
+        self.engine = setup.engine
         self.records = pvpo.records if pvpo is not None else list(setup.records)
         self.anchors: dict[str, float] | None = None
         self.presample_rollouts: int | None = None
@@ -361,9 +375,7 @@ class V05(Component):
         first = fuse_groups(scored.rewards, scored.batch.group, prior, vc)
         added: list[Scored] = []
         if cfg.rollout.budget == "adaptive":
-            scored, added = top_up(
-                self.engine, self.task, cfg, scored, prior, self.generator, step.timer
-            )
+            scored, added = top_up(self.engine, self.task, cfg, scored, prior, step.timer)
             check_rewards(scored.rewards, vc)
         last = fuse_groups(scored.rewards, scored.batch.group, prior, vc) if added else first
         group = scored.batch.group

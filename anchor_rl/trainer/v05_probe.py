@@ -19,8 +19,8 @@ the run's prior on the probe prompts (M-rollout truth), and on H held-out test p
 prompts' (embedding, truth) pairs under the current policy (V0's "within-policy" setting),
 and the run's own prior when it is knn-based.
 
-The probe samples from its own generator, seeded by ``(seed, step)``, and never updates
-the prior, so a run trains identically with or without it; its rollouts are counted in
+The probe's samples are seeded by ``(seed, "probe", step, ...)``, apart from training's and
+evaluation's, and it never updates the prior, so a run trains identically with or without it; its rollouts are counted in
 ``probe/rollouts``, never in the training counters. Each probe appends one JSON line to
 ``RUN_DIR/probe.jsonl`` (``anchor_rl.bench.probe`` turns the file into tables and plots)
 and returns ``probe/*`` scalars for metrics.jsonl.
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors import KNNPrior, evaluate_prior, prior_metrics
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.rollout.engine import group_requests
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.collect import sampling_params, score
 from anchor_rl.trainer.component import Component, Setup
@@ -53,8 +54,6 @@ from anchor_rl.trainer.v05 import (
 from anchor_rl.trainer.v05_config import V05Config
 
 PROBE_FILE = "probe.jsonl"
-SEED_OFFSET = 500_000_003
-"""Keeps the probe's generator apart from held-out evaluation's (seeded ``seed * 1_000_003 + step``)."""
 
 
 def methods(k: int, k_max: int) -> tuple[str, ...]:
@@ -173,13 +172,18 @@ class V05Probe(Component):
         return self.probe(index)
 
     def _sample(
-        self, records: Sequence[Record], n: int, generator: torch.Generator
+        self, records: Sequence[Record], n: int, step: int, split: str
     ) -> tuple[Tensor, RolloutBatch]:
-        """``(rewards[P, n], batch)``: n rollouts of each record with the training settings."""
+        """``(rewards[P, n], batch)``: n rollouts of each record with the training settings,
+        seeded by ``(seed, "probe", step, split, prompt id, j)``."""
         task, cfg = self.task, self.cfg
+        ids = [r.id for r in records]
+        requests = group_requests(
+            [r.prompt for r in records], ids, n, cfg.seed, "probe", step, split
+        )
         batch = self.engine.rollout(
-            [r.prompt for r in records], n, sampling_params(cfg, task),
-            tools=task.tools or None, instruction=task.instruction, generator=generator,
+            requests, sampling_params(cfg, task), tools=task.tools or None,
+            instruction=task.instruction,
         )  # fmt: skip
         order = torch.argsort(batch.group, stable=True)
         batch = batch.select(order)
@@ -190,12 +194,9 @@ class V05Probe(Component):
         """Probe the baselines before training step ``step`` (see the module docstring)."""
         cfg, state = self.cfg, self.v05
         vc, k_init, started = cfg.v05, cfg.rollout.n, time.perf_counter()
-        generator = torch.Generator(device=cfg.device).manual_seed(
-            cfg.seed * 1_000_003 + step + SEED_OFFSET
-        )
         records = probe_records(state.records, vc.probe_prompts)
         ids = [r.id for r in records]
-        rewards, batch = self._sample(records, vc.k_max + vc.probe_truth, generator)
+        rewards, batch = self._sample(records, vc.k_max + vc.probe_truth, step, "train")
         pool, truth = rewards[:, : vc.k_max], rewards[:, vc.k_max :]
         emb = embed_groups(self.policy, batch, len(records))
         prior = state.prior.predict(ids, emb if uses_embeddings(vc) else None)
@@ -213,7 +214,7 @@ class V05Probe(Component):
         }
         rollouts = rewards.numel()
         if vc.probe_heldout:
-            held, held_rollouts = self._heldout(emb, ids, truth, generator)
+            held, held_rollouts = self._heldout(emb, ids, truth, step)
             record |= held
             rollouts += held_rollouts
         record["rollouts"] = rollouts
@@ -235,14 +236,14 @@ class V05Probe(Component):
         probe_emb: Tensor,
         probe_ids: list[str],
         probe_truth: Tensor,
-        generator: torch.Generator,
+        step: int,
     ) -> tuple[dict[str, Any], int]:
         """Prior metrics on held-out prompts: a knn over the probe set's truths, and the run's
         prior when it generalises across prompts (knn-based). Returns them and the rollouts."""
         vc = self.cfg.v05
         records = self.task.records("test")[: vc.probe_heldout]
         ids = [r.id for r in records]
-        rewards, batch = self._sample(records, vc.probe_heldout_truth, generator)
+        rewards, batch = self._sample(records, vc.probe_heldout_truth, step, "test")
         emb = embed_groups(self.policy, batch, len(records))
         true, outcomes = rewards.double().mean(1), list(rewards)
         knn = KNNPrior(

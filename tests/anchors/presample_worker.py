@@ -28,7 +28,7 @@ def main() -> None:
     m = int(m)
     records = [Record(id=f"q{i}", prompt=f"question {i}", answer="") for i in range(int(prompts))]
 
-    def sampler(batch_records, n, seed):
+    def sampler(batch_records, n, first, seed):
         with open(log, "a") as f:
             f.write(" ".join(r.id for r in batch_records) + "\n")
         time.sleep(float(pause))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from anchor_fakes import EchoTask
 
 from anchor_rl.anchors.keys import AnchorKey, fingerprint_model, task_identity
 from anchor_rl.anchors.presample import (
@@ -23,7 +24,7 @@ from anchor_rl.anchors.presample import (
     task_params,
 )
 from anchor_rl.anchors.store import AnchorStore
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record
 
@@ -38,14 +39,14 @@ def records(n: int) -> list[Record]:
 class TableSampler:
     """Prompt ``r{i}``: the first ``i % 3`` rollouts of every call are correct (reward 1), the rest 0.
 
-    Records each call as ``(ids, n, seed)``.
+    Records each call as ``(ids, n, first, seed)``.
     """
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[str], int, int]] = []
+        self.calls: list[tuple[list[str], int, list[int], object]] = []
 
-    def __call__(self, batch, n, seed):
-        self.calls.append(([r.id for r in batch], n, seed))
+    def __call__(self, batch, n, first, seed):
+        self.calls.append(([r.id for r in batch], n, list(first), seed))
         solved = torch.tensor([int(r.id[1:]) % 3 for r in batch])
         correct = torch.arange(n)[None, :] < solved[:, None]
         return correct.double(), correct
@@ -62,14 +63,15 @@ def test_presample_stores_hand_computed_anchors_in_batches(store):
     seen_rows: list[int] = []
     reader = sqlite3.connect(store.path)
 
-    def spying(batch, n, seed):
+    def spying(batch, n, first, seed):
         seen_rows.append(reader.execute("SELECT COUNT(*) FROM stats").fetchone()[0])
-        return sampler(batch, n, seed)
+        return sampler(batch, n, first, seed)
 
     result = presample(records(7), spying, store, KEY, m=4, batch_size=3, progress=False)
     assert (result.rollouts, result.prompts_sampled, result.prompts_reused) == (28, 7, 0)
     assert result.key == KEY.digest
-    assert [ids for ids, _, _ in sampler.calls] == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
+    assert [call[0] for call in sampler.calls] == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
+    assert {call[3] for call in sampler.calls} == {(0, KEY.digest)}  # base seed and key
     assert seen_rows == [0, 3, 6]  # each batch committed before the next one is sampled
     stats = store.get_anchors(KEY)
     assert {pid: (s.n, s.n_correct, s.mean) for pid, s in stats.items()} == {
@@ -94,23 +96,25 @@ def test_rerun_reuses_and_topup_adds_only_the_missing_rollouts(store):
     more = TableSampler()
     result = presample(records(5), more, store, KEY, m=6, batch_size=8, progress=False)
     # r0..r3 need 2 more each, r4 (new) needs 6: two calls grouped by need
-    assert [(ids, n) for ids, n, _ in more.calls] == [(["r0", "r1", "r2", "r3"], 2), (["r4"], 6)]
+    assert [call[:2] for call in more.calls] == [(["r0", "r1", "r2", "r3"], 2), (["r4"], 6)]
     assert (result.rollouts, result.prompts_sampled) == (4 * 2 + 6, 5)
     stats = store.get_anchors(KEY)
     assert stats["r2"].n == 6 and stats["r2"].n_correct == 2 + 2  # 2 of the first 4, then 2 of 2
     assert stats["r4"].n == 6 and stats["r4"].n_correct == 1
-    # a top-up never replays the seed its first rollouts were drawn with
-    assert {s for _, _, s in more.calls}.isdisjoint({s for _, _, s in first.calls})
+    # a top-up continues each prompt's sample numbering: it never replays the rollouts it
+    # is added to (rollout j of a prompt is seeded by its number j)
+    assert [call[2] for call in more.calls] == [[4, 4, 4, 4], [0]]
+    assert {tuple(call[2]) for call in first.calls} == {(0, 0)}
 
 
 def test_a_prompt_another_writer_stored_meanwhile_is_not_merged_twice(store):
     sampler = TableSampler()
 
-    def racing(batch, n, seed):
+    def racing(batch, n, first, seed):
         if [r.id for r in batch] == ["r0", "r1"]:  # another process finishes r1 meanwhile
             with AnchorStore(store.path) as other:
                 other.add_rollouts(KEY, ["r1"], [[1.0, 1.0, 1.0]], [[True, True, True]])
-        return sampler(batch, n, seed)
+        return sampler(batch, n, first, seed)
 
     result = presample(records(3), racing, store, KEY, m=3, batch_size=2, progress=False)
     assert (result.rollouts, result.prompts_discarded) == (9, 1)
@@ -119,14 +123,29 @@ def test_a_prompt_another_writer_stored_meanwhile_is_not_merged_twice(store):
     assert stats["r0"].n == 3 and stats["r2"].n == 3
 
 
-def test_seeds_are_deterministic(tmp_path):
-    seeds = []
-    for run in range(2):
-        with AnchorStore(tmp_path / f"{run}.db") as s:
-            sampler = TableSampler()
-            presample(records(5), sampler, s, KEY, m=2, batch_size=2, seed=7, progress=False)
-            seeds.append([seed for _, _, seed in sampler.calls])
-    assert seeds[0] == seeds[1] and len(set(seeds[0])) == 3
+class TextSumTask(EchoTask):
+    """A reward that a random-init model's completions spread over [0, 1]: the code-point sum
+    of the completion mod 5, over 4 (so equal statistics mean equal texts, almost surely)."""
+
+    def reward(self, completion, record):
+        return (sum(map(ord, completion)) % 5) / 4
+
+
+def test_the_stored_anchors_do_not_depend_on_the_batching(tmp_path, tokenizer, tiny_model):
+    task = TextSumTask(n=5)
+    params = SamplingParams(max_new_tokens=6)
+    sampler = RolloutSampler(make_engine("hf", tiny_model, tokenizer), task, params)
+    key = presample_key(tiny_model, tokenizer, task_params(params, task), "echo")
+    recs = task.records("train")
+    stats = []
+    for batch_size in (1, 4):
+        with AnchorStore(tmp_path / f"b{batch_size}.db") as s:
+            presample(recs, sampler, s, key, m=3, batch_size=batch_size, seed=7, progress=False)
+            stats.append(
+                {pid: (st.n, st.reward_sum, st.n_correct) for pid, st in s.get_anchors(key).items()}
+            )
+    assert stats[0] == stats[1] and len(stats[0]) == len(recs)
+    assert len({sums for _, sums, _ in stats[0].values()}) > 1  # the rollouts differ
 
 
 def test_presample_input_errors(store):
@@ -135,7 +154,7 @@ def test_presample_input_errors(store):
     with pytest.raises(ValueError, match="m must be"):
         presample(records(2), TableSampler(), store, KEY, m=0, progress=False)
 
-    def wrong(batch, n, seed):
+    def wrong(batch, n, first, seed):
         return torch.zeros(len(batch), n + 1), torch.zeros(len(batch), n + 1, dtype=torch.bool)
 
     with pytest.raises(ValueError, match="expected"):
@@ -179,13 +198,13 @@ def test_refresh_stores_under_a_distinct_key_and_counts_rollouts(store):
 
 def test_rollout_sampler_with_a_tiny_model(tmp_path, tokenizer, tiny_model, task):
     params = SamplingParams(max_new_tokens=6)
-    sampler = RolloutSampler(HFEngine(tiny_model, tokenizer), task, params)
+    sampler = RolloutSampler(make_engine("hf", tiny_model, tokenizer), task, params)
     assert sampler.params.stop == ["</answer>"]  # the task's stop added
     recs = task.records("train")[:3]
-    rewards, correct = sampler(recs, 2, seed=11)
+    rewards, correct = sampler(recs, 2, [0, 0, 0], seed=11)
     assert rewards.shape == (3, 2) and correct.shape == (3, 2) and correct.dtype == torch.bool
     assert set(rewards.flatten().tolist()) <= {0.0, 1.0}
-    again, _ = sampler(recs, 2, seed=11)
+    again, _ = sampler(recs, 2, [0, 0, 0], seed=11)
     assert torch.equal(rewards, again)
 
     key = presample_key(

@@ -1,13 +1,25 @@
-"""HFEngine: groups, masks, per-row stops, sampling log-probs vs recomputation, seeding."""
+"""HFEngine: groups, masks, per-row stops, sampling log-probs vs recomputation, per-request
+seeding, weight sync, the engine registry."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from seeded import requests
 
+from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.tokenizer import encode_prompt
-from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.engine import (
+    ENGINES,
+    Engine,
+    HFEngine,
+    Request,
+    group_requests,
+    make_engine,
+    register_engine,
+    request_seed,
+)
 from anchor_rl.rollout.types import SamplingParams
 
 PROMPTS = ["1+1=", "what is 12*3?", "x"]
@@ -26,11 +38,7 @@ def check_masks(b):
 
 def test_groups_prompts_and_shapes(tokenizer, tiny_model):
     b = HFEngine(tiny_model, tokenizer).rollout(
-        PROMPTS,
-        4,
-        SamplingParams(max_new_tokens=12),
-        instruction="Answer.",
-        generator=torch.Generator().manual_seed(0),
+        requests(PROMPTS, 4), SamplingParams(max_new_tokens=12), instruction="Answer."
     )
     assert len(b) == 12
     assert b.group.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
@@ -41,9 +49,16 @@ def test_groups_prompts_and_shapes(tokenizer, tiny_model):
     assert torch.equal(b.tool_calls, torch.zeros(12, dtype=torch.long))
 
 
+def test_rows_follow_the_requests_order_and_groups(tokenizer, tiny_model):
+    reqs = [Request("x", 1, group=5), Request("1+1=", 2, group=0), Request("x", 3, group=5)]
+    b = HFEngine(tiny_model, tokenizer).rollout(reqs, SamplingParams(max_new_tokens=4))
+    assert b.group.tolist() == [5, 0, 5]
+    assert b.prompt_ids[1] == encode_prompt(tokenizer, "1+1=")
+
+
 def test_sampling_logprobs_match_recomputation_at_temperature_one(tokenizer, tiny_model):
     b = HFEngine(tiny_model, tokenizer).rollout(
-        PROMPTS, 3, SamplingParams(max_new_tokens=20), generator=torch.Generator().manual_seed(3)
+        requests(PROMPTS, 3, seed=3), SamplingParams(max_new_tokens=20)
     )
     assert b.lengths.max() > 5  # some rows are long enough to exercise the cache
     logp, _ = token_logprobs(tiny_model, b)
@@ -52,10 +67,7 @@ def test_sampling_logprobs_match_recomputation_at_temperature_one(tokenizer, tin
 
 def test_logprobs_at_temperature_match_scaled_recomputation(tokenizer, tiny_model):
     b = HFEngine(tiny_model, tokenizer).rollout(
-        PROMPTS,
-        2,
-        SamplingParams(temperature=0.7, max_new_tokens=10),
-        generator=torch.Generator().manual_seed(4),
+        requests(PROMPTS, 2, seed=4), SamplingParams(temperature=0.7, max_new_tokens=10)
     )
     logp, _ = token_logprobs(tiny_model, b, temperature=0.7)
     assert torch.allclose(logp, b.logprobs, atol=1e-4)
@@ -64,18 +76,42 @@ def test_logprobs_at_temperature_match_scaled_recomputation(tokenizer, tiny_mode
 def test_same_seed_same_rollout_other_seed_differs(tokenizer, tiny_model):
     engine = HFEngine(tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=16)
-    a = engine.rollout(PROMPTS, 2, params, generator=torch.Generator().manual_seed(5))
-    b = engine.rollout(PROMPTS, 2, params, generator=torch.Generator().manual_seed(5))
-    c = engine.rollout(PROMPTS, 2, params, generator=torch.Generator().manual_seed(6))
+    a = engine.rollout(requests(PROMPTS, 2, seed=5), params)
+    b = engine.rollout(requests(PROMPTS, 2, seed=5), params)
+    c = engine.rollout(requests(PROMPTS, 2, seed=6), params)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     assert a.texts == b.texts
     assert a.texts != c.texts
 
 
+def test_a_response_does_not_depend_on_its_batch_mates_or_chunking(tokenizer, tiny_model):
+    params = SamplingParams(max_new_tokens=16)
+    reqs = requests(PROMPTS, 4, seed=7)
+    whole = HFEngine(tiny_model, tokenizer).rollout(reqs, params)
+    chunked = HFEngine(tiny_model, tokenizer, max_batch=3).rollout(reqs, params)
+    shuffled = [reqs[i] for i in (11, 0, 5, 2, 9)]
+    alone = HFEngine(tiny_model, tokenizer).rollout(shuffled, params)
+    assert chunked.texts == whole.texts
+    assert alone.texts == [whole.texts[i] for i in (11, 0, 5, 2, 9)]
+    assert len(set(whole.texts)) > 4  # the seeds differ, so do the samples
+
+
+def test_group_requests_number_samples_and_continue_from_first():
+    reqs = group_requests(["a", "b"], ["ida", "idb"], 2, 9, "train", first=[0, 3])
+    assert [r.group for r in reqs] == [0, 0, 1, 1]
+    assert [r.prompt for r in reqs] == ["a", "a", "b", "b"]
+    assert reqs[0].seed == request_seed(9, "train", "ida", 0)
+    assert reqs[3].seed == request_seed(9, "train", "idb", 4)  # sample 4 of prompt b
+    assert len({r.seed for r in reqs}) == 4
+    assert request_seed(1, "x") != request_seed("1", "x", 0) and 0 <= request_seed(1) < 2**63
+    with pytest.raises(ValueError, match="keys"):
+        group_requests(["a"], [], 1)
+
+
 def test_chunked_generation_equals_one_batch_greedy(tokenizer, tiny_model):
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
-    whole = HFEngine(tiny_model, tokenizer).rollout(PROMPTS, 2, params)
-    chunked = HFEngine(tiny_model, tokenizer, max_batch=4).rollout(PROMPTS, 2, params)
+    whole = HFEngine(tiny_model, tokenizer).rollout(requests(PROMPTS, 2), params)
+    chunked = HFEngine(tiny_model, tokenizer, max_batch=4).rollout(requests(PROMPTS, 2), params)
     assert torch.equal(whole.response_ids, chunked.response_ids)
     # greedy samples of a prompt are identical and carry log-prob 0
     assert torch.equal(whole.response_ids[0], whole.response_ids[1])
@@ -85,7 +121,7 @@ def test_chunked_generation_equals_one_batch_greedy(tokenizer, tiny_model):
 def test_rows_stop_at_their_own_stop_and_pad_after(tokenizer, scripted):
     model = scripted({"a": "12</answer>99", "b": "1234567</answer>", "c": "123456789"})
     b = HFEngine(model, tokenizer).rollout(
-        ["a", "b", "c"], 1, SamplingParams(max_new_tokens=6, stop=["</answer>"])
+        requests(["a", "b", "c"]), SamplingParams(max_new_tokens=6, stop=["</answer>"])
     )
     assert b.texts == ["12</answer>", "123456", "123456"]
     assert b.attention_mask.sum(-1).tolist() == [3, 6, 6]
@@ -98,7 +134,7 @@ def test_rows_stop_at_their_own_stop_and_pad_after(tokenizer, scripted):
 
 def test_eos_ends_a_row_and_is_kept_as_a_policy_token(tokenizer, scripted):
     model = scripted({"a": "hi"})
-    b = HFEngine(model, tokenizer).rollout(["a"], 2, SamplingParams(max_new_tokens=8))
+    b = HFEngine(model, tokenizer).rollout(requests(["a"], 2), SamplingParams(max_new_tokens=8))
     assert b.response_ids[0, :3].tolist() == [*tokenizer.encode("hi"), tokenizer.eos_token_id]
     assert b.lengths.tolist() == [3, 3] and b.texts == ["hi", "hi"]
     assert b.truncated.tolist() == [False, False]
@@ -107,11 +143,31 @@ def test_eos_ends_a_row_and_is_kept_as_a_policy_token(tokenizer, scripted):
 def test_multi_token_stop_string_matches_text(tokenizer, scripted):
     model = scripted({"a": "ab\n\ncd"})
     b = HFEngine(model, tokenizer).rollout(
-        ["a"], 1, SamplingParams(max_new_tokens=8, stop=["\n\n"])
+        requests(["a"]), SamplingParams(max_new_tokens=8, stop=["\n\n"])
     )
     assert b.texts == ["ab\n\n"]
 
 
 def test_prompt_plus_budget_beyond_context_is_an_error(tokenizer, tiny_model):
     with pytest.raises(ValueError, match="positions"):
-        HFEngine(tiny_model, tokenizer).rollout(["x"], 1, SamplingParams(max_new_tokens=2000))
+        HFEngine(tiny_model, tokenizer).rollout(requests(["x"]), SamplingParams(max_new_tokens=2000))
+
+
+def test_sync_weights_is_free_for_the_own_model_and_copies_others(tokenizer):
+    model = build_model("tiny", tokenizer, seed=0)
+    engine = make_engine("hf", model, tokenizer)
+    assert isinstance(engine, Engine)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.sync_weights(model.state_dict())  # its own tensors: nothing to do
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    other = build_model("tiny", tokenizer, seed=1).state_dict()
+    engine.sync_weights(other)
+    assert all(torch.equal(other[k], v) for k, v in model.state_dict().items())
+
+
+def test_engines_register_by_name(tokenizer, tiny_model):
+    assert "hf" in ENGINES
+    with pytest.raises(KeyError, match="registered: hf"):
+        make_engine("vllm-typo", tiny_model, tokenizer)
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("hf")(lambda model, tokenizer: None)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.evaluate import (
     accuracy_metrics,
     evaluate,
@@ -90,7 +90,8 @@ def test_evaluate_on_scripted_policy(tokenizer, scripted):
         }
     )
     params = SamplingParams(max_new_tokens=12, stop=["</answer>"])
-    out = evaluate(model, tokenizer, EchoTask(), "test", k=2, params=params, limit=3, max_batch=4)
+    engine = HFEngine(model, tokenizer)
+    out = evaluate(engine, EchoTask(), "test", k=2, params=params, limit=3, chunk=4)
     assert out["prompts"] == 3 and out["samples"] == 6
     assert out["per_prompt"] == {"test-aa": 2, "test-bb": 0, "test-cc": 2}
     assert out["avg@2"] == pytest.approx(2 / 3) and out["pass@2"] == pytest.approx(2 / 3)
@@ -102,27 +103,14 @@ def test_evaluate_on_scripted_policy(tokenizer, scripted):
     assert out["mean_reward"] == pytest.approx(2 / 3)
 
 
-def test_evaluate_uses_generator_for_reproducibility(tokenizer, tiny_model):
+def test_evaluate_is_seeded_per_sample_whatever_the_chunking(tokenizer, tiny_model):
     params = SamplingParams(max_new_tokens=6, stop=["</answer>"])
-    a = evaluate(
-        tiny_model,
-        tokenizer,
-        EchoTask(),
-        "train",
-        2,
-        params,
-        generator=torch.Generator().manual_seed(0),
-    )
-    b = evaluate(
-        tiny_model,
-        tokenizer,
-        EchoTask(),
-        "train",
-        2,
-        params,
-        generator=torch.Generator().manual_seed(0),
-    )
+    engine = HFEngine(tiny_model, tokenizer)
+    a = evaluate(engine, EchoTask(), "train", 2, params, seed=0)
+    b = evaluate(engine, EchoTask(), "train", 2, params, seed=0, chunk=2)
+    c = evaluate(engine, EchoTask(), "train", 2, params, seed=1)
     assert a == b
+    assert a["mean_policy_tokens"] != c["mean_policy_tokens"] or a["per_prompt"] != c["per_prompt"]
 
 
 def test_trace_budget_is_one_and_a_half_longest_trace_rounded_to_32(tokenizer):

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anchor_rl.rollout.sampling import StopSet, sample_next
+from anchor_rl.rollout.sampling import StopSet, sample_next, uniforms
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+
+
+def _u(rows: int, seed: int) -> torch.Tensor:
+    """One uniform per row, from the counter-based generator (seed, row)."""
+    return torch.from_numpy(uniforms([seed] * rows, range(rows)))
 
 
 def test_greedy_picks_argmax_with_logprob_zero():
@@ -20,8 +26,7 @@ def test_greedy_picks_argmax_with_logprob_zero():
 
 
 def test_top_p_keeps_the_nucleus_and_renormalises():
-    g = torch.Generator().manual_seed(0)
-    tokens, logp = sample_next(LOGITS.expand(2000, 3), 1.0, 0.6, g)
+    tokens, logp = sample_next(LOGITS.expand(2000, 3), 1.0, 0.6, _u(2000, 0))
     assert set(tokens.tolist()) == {0, 1}  # 0.5 < 0.6, so token 1 joins; 0.8 >= 0.6 stops
     expected = {0: math.log(0.5 / 0.8), 1: math.log(0.3 / 0.8)}
     for t, lp in zip(tokens.tolist(), logp.tolist(), strict=True):
@@ -31,13 +36,13 @@ def test_top_p_keeps_the_nucleus_and_renormalises():
 
 
 def test_top_p_below_the_top_mass_keeps_one_token():
-    tokens, logp = sample_next(LOGITS.expand(50, 3), 1.0, 0.45, torch.Generator().manual_seed(1))
+    tokens, logp = sample_next(LOGITS.expand(50, 3), 1.0, 0.45, _u(50, 1))
     assert tokens.tolist() == [0] * 50
     assert torch.allclose(logp, torch.zeros(50), atol=1e-6)
 
 
 def test_temperature_logprob_is_under_the_scaled_distribution():
-    tokens, logp = sample_next(LOGITS.expand(20, 3), 2.0, 1.0, torch.Generator().manual_seed(2))
+    tokens, logp = sample_next(LOGITS.expand(20, 3), 2.0, 1.0, _u(20, 2))
     scaled = torch.log_softmax(LOGITS[0] / 2.0, dim=-1)
     assert torch.allclose(logp, scaled[tokens], atol=1e-6)
 
@@ -46,8 +51,8 @@ def test_temperature_logprob_is_under_the_scaled_distribution():
 @given(seed=st.integers(0, 2**31 - 1), temperature=st.floats(0.3, 2.0), top_p=st.floats(0.05, 1.0))
 def test_same_seed_same_samples(seed, temperature, top_p):
     logits = torch.randn(8, 11, generator=torch.Generator().manual_seed(seed))
-    a = sample_next(logits, temperature, top_p, torch.Generator().manual_seed(seed))
-    b = sample_next(logits, temperature, top_p, torch.Generator().manual_seed(seed))
+    a = sample_next(logits, temperature, top_p, _u(8, seed))
+    b = sample_next(logits, temperature, top_p, _u(8, seed))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert (a[1] <= 0).all()
 
@@ -57,3 +62,25 @@ def test_stop_set_splits_single_token_and_text_stops(tokenizer):
     answer = tokenizer.convert_tokens_to_ids("</answer>")
     assert stops.token_stops == {tokenizer.eos_token_id: "<eos>", answer: "</answer>"}
     assert stops.string_stops == ("\n\n",)
+
+
+def test_uniforms_are_a_pure_function_of_seed_and_counter():
+    a = uniforms([1, 2, 3], [0, 0, 5])
+    assert a.tolist() == uniforms([1, 2, 3], [0, 0, 5]).tolist()
+    assert uniforms([3], [5]).tolist() == [a[2]]  # the same pair, alone or in a batch
+    many = uniforms([7] * 20000, range(20000))
+    assert ((many >= 0) & (many < 1)).all()
+    assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.1).mean() - 0.1) < 0.01
+    assert uniforms([2**64 - 1], [2**40]).shape == (1,)  # wraps, never overflows
+
+
+def test_inverse_cdf_follows_the_distribution_and_never_picks_a_zero_mass_token():
+    logits = torch.log(torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0]]))  # -inf at both ends
+    tokens, logp = sample_next(logits.expand(20000, 5), 1.0, 1.0, _u(20000, 3))
+    counts = torch.bincount(tokens, minlength=5).float() / 20000
+    assert counts[0] == 0 and counts[4] == 0
+    assert torch.allclose(counts[1:4], torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
+    edge = sample_next(logits, 1.0, 1.0, torch.tensor([1.0 - 2.0**-53]))[0]
+    assert edge.tolist() == [3]  # u next to 1: the last token with positive mass
+    with pytest.raises(ValueError, match="uniform"):
+        sample_next(logits, 1.0, 1.0, None)

@@ -242,9 +242,9 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
     calls = []
     real_call = RolloutSampler.__call__
 
-    def counting(self, records, n, seed):
+    def counting(self, records, n, first, seed):
         calls.append(len(records) * n)
-        return real_call(self, records, n, seed)
+        return real_call(self, records, n, first, seed)
 
     monkeypatch.setattr(RolloutSampler, "__call__", counting)
     resumed = resume_run(half.run_dir, {"steps": 3})

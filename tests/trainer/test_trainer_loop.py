@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from seeded import requests
 from typer.testing import CliRunner
 
 from anchor_rl.batch import RolloutBatch
@@ -72,18 +73,18 @@ def test_grpo_learns_the_parity_task(parity, tiny, tmp_path) -> None:
 
 
 class _ScriptedEngine:
-    """Returns scripted completions, one list of n texts per prompt per call."""
+    """Returns scripted completions, one list of texts per group per call."""
 
     def __init__(self, rounds: list[list[list[str]]]) -> None:
         self.rounds = iter(rounds)
 
-    def rollout(self, prompts, n, params, tools=None, instruction=None, generator=None):
+    def rollout(self, requests, params, tools=None, instruction=None):
         texts = [t for group in next(self.rounds) for t in group]
-        assert len(texts) == len(prompts) * n
+        assert len(texts) == len(requests)
         b = len(texts)
         ones = torch.ones(b, 1)
         return RolloutBatch(
-            group=torch.arange(len(prompts)).repeat_interleave(n),
+            group=torch.tensor([r.group for r in requests]),
             prompt_ids=[[1]] * b, response_ids=torch.full((b, 1), 7), attention_mask=ones,
             loss_mask=ones, logprobs=torch.zeros(b, 1), texts=texts,
             tool_calls=torch.zeros(b, dtype=torch.long), truncated=torch.zeros(b, dtype=torch.bool),
@@ -107,9 +108,7 @@ def test_dynamic_sampling_drops_equal_groups_and_is_bounded(
     )
     task = parity
     sampler = PromptSampler(task.records("train"), seed=0)
-    scored, metrics = collect(
-        _ScriptedEngine(SCRIPT), sampler, task, cfg, torch.Generator(), Timer()
-    )
+    scored, metrics = collect(_ScriptedEngine(SCRIPT), sampler, task, cfg, Timer())
     assert metrics["filter/rounds"] == rounds and metrics["filter/kept_groups"] == kept
     assert metrics["rollouts/step"] == 4 * rounds  # filtered responses still count
     assert sampler.consumed == 2 * rounds
@@ -125,7 +124,7 @@ def test_dynamic_sampling_drops_equal_groups_and_is_bounded(
 def test_score_adds_the_soft_overlong_punishment(parity) -> None:
     # max_new_tokens 10, window 0.2 -> L_cache 2: free up to 8 tokens, -0.5 at 9, -1 at 10
     cfg = load_config("dapo", ["rollout.max_new_tokens=10"])
-    batch = _ScriptedEngine([[["0", "0", "1"]]]).rollout(["q"], 3, None)
+    batch = _ScriptedEngine([[["0", "0", "1"]]]).rollout(requests(["q"], 3), None)
     lengths = torch.tensor([8, 9, 10])
     batch.attention_mask = (torch.arange(10) < lengths[:, None]).float()
     batch.response_ids = torch.full((3, 10), 7)
@@ -139,7 +138,7 @@ def test_score_adds_the_soft_overlong_punishment(parity) -> None:
 def test_informative_groups_by_hand() -> None:
     rows = 6
     batch = _ScriptedEngine([[["0", "0"], ["0", "1"], ["1", "1"]]]).rollout(
-        ["a", "b", "c"], 2, None
+        requests(["a", "b", "c"], 2), None
     )
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     records = [Record(str(i), "q", "a") for i in range(3)]
@@ -241,22 +240,24 @@ def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(
 ) -> None:
     from anchor_rl.models.spec import load_spec
     from anchor_rl.rollout import evaluate as evaluate_module
+    from anchor_rl.rollout.engine import make_engine
     from anchor_rl.trainer import run as run_module
 
     calls = []
 
-    def spy(model, tokenizer, task, split, **kwargs):
-        result = evaluate_module.evaluate(model, tokenizer, task, split, **kwargs)
+    def spy(engine, task, split, **kwargs):
+        result = evaluate_module.evaluate(engine, task, split, **kwargs)
         calls.append((split, kwargs["limit"], result))
         return result
 
     monkeypatch.setattr(run_module, "evaluate", spy)
     cfg = load_config("grpo", [*tiny, "train_prompts=5", "eval.train_prompts=50"])
     model, tokenizer = load_spec(cfg.model, cfg.task, cfg.task_args, cfg.seed, "cpu", False)
-    metrics = run_module.evaluate_model(model, tokenizer, parity, cfg, step=0)
+    engine = make_engine("hf", model, tokenizer)
+    metrics = run_module.evaluate_model(engine, parity, cfg, step=0)
     assert [(split, limit) for split, limit, _ in calls] == [("test", 3), ("train", 5)]
     assert calls[1][2]["prompts"] == 5
     assert metrics["eval/train_accuracy"] == calls[1][2]["avg@1"]
     calls.clear()
-    off = run_module.evaluate_model(model, tokenizer, parity, load_config("grpo", tiny), step=0)
+    off = run_module.evaluate_model(engine, parity, load_config("grpo", tiny), step=0)
     assert "eval/train_accuracy" not in off and [c[0] for c in calls] == ["test"]

@@ -13,7 +13,7 @@ from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
-from anchor_rl.trainer.collect import Scored, collect_metrics, score
+from anchor_rl.trainer.collect import Scored, collect_metrics, score, train_requests
 from anchor_rl.trainer.component import Setup, Step
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.timing import Timer
@@ -55,11 +55,12 @@ class TextEngine:
     """Answers every requested row with ``text``; records the prompts of each call."""
 
     def __init__(self, text: str) -> None:
-        self.text, self.calls = text, []
+        self.text, self.calls, self.requests = text, [], []
 
-    def rollout(self, prompts, n, params, tools=None, instruction=None, generator=None):
-        self.calls.append(list(prompts))
-        return _batch([[self.text] * n for _ in prompts])
+    def rollout(self, requests, params, tools=None, instruction=None):
+        self.calls.append([r.prompt for r in requests])
+        self.requests += list(requests)
+        return _batch([[self.text] for _ in requests])
 
 
 def _batch(groups: list[list[str]]) -> RolloutBatch:
@@ -137,7 +138,7 @@ def test_top_up_rounds_are_bounded_and_only_for_rejected_prompts(parity, rounds,
     records = parity.records("train")[:2]
     # prompt 0: rewards 1,1,1,0 vs prior 0.3 (rejected): the rule asks 10 more; with those
     # (all reward 1) it asks 1 more, then none. Prompt 1: rewards 0 vs prior 0: accepted.
-    scored = score(parity, _batch([["0", "0", "0", "1"], ["1"] * 4]), records, cfg)
+    scored = score(parity, _batch([["0", "0", "0", "1"], ["1"] * 4]), records, cfg, draws=[0, 1])
     prior = FakePrior({records[0].id: 0.3, records[1].id: 0.0})
     engine = TextEngine("0")
     out, anchor, metrics = v05_stage(
@@ -154,12 +155,15 @@ def test_top_up_rounds_are_bounded_and_only_for_rejected_prompts(parity, rounds,
     assert metrics["v05/rejected_init_frac"] == 0.5
     assert len(anchor) == 8 + extra
     assert prior.updates[0][1][0] == out.rewards[: 4 + extra].tolist()  # top-ups included
+    # a top-up is the prompt's rollout number 4, 5, ...: seeded as if sampled at the start
+    k = train_requests(records[:1], [0], 4 + extra, cfg.seed)
+    assert [r.seed for r in engine.requests] == [r.seed for r in k[4:]]
 
 
 def test_top_ups_never_exceed_k_max(parity) -> None:
     cfg = load_config("v05", ["v05.k_max=6", "v05.top_up_rounds=3"])
     records = parity.records("train")[:1]
-    scored = score(parity, _batch([["1"] * 4]), records, cfg)
+    scored = score(parity, _batch([["1"] * 4]), records, cfg, draws=[0])
     engine = TextEngine("1")
     component = _component(cfg, FakePrior({records[0].id: 1.0}), parity, engine)
     out, _, metrics = v05_stage(component, scored, collect_metrics(scored, scored, 1))

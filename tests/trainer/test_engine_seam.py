@@ -1,0 +1,77 @@
+"""The engine seam: a seeded run gives the same metrics through an engine in another process
+(tests/trainer/subprocess_engine.py, fed weights through ``sync_weights``) as through the
+built-in in-process engine; nothing outside anchor_rl.rollout builds a concrete engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import subprocess_engine
+import torch
+
+import anchor_rl
+from anchor_rl.trainer.config import ConfigError, load_config
+from anchor_rl.trainer.logging import read_metrics
+from anchor_rl.trainer.loop import train
+from anchor_rl.trainer.run import start_run
+
+
+@pytest.fixture
+def one_thread():
+    """The child samples with one thread; so must the in-process run it is compared with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(subprocess_engine.THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def _values(run_dir: Path) -> list[dict]:
+    return [
+        {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()
+         if not k.startswith("time/") and "seconds" not in k}
+        for r in read_metrics(run_dir)
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [
+        ("grpo", []),
+        ("v05", ["pvpo.m=2"]),  # top-ups go through the engine too
+        ("pvpo", ["pvpo.m=2", "pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
+    ],
+)
+def test_the_same_seeded_run_through_another_engine(
+    preset, extra, parity, tiny, tmp_path, one_thread
+) -> None:
+    overrides = [*tiny, "steps=3", "optim.lr=1e-3", *extra]
+    # each run its own anchor store, so each samples its anchors and refreshes itself
+    local_cfg = load_config(preset, [*overrides, f"pvpo.store={tmp_path}/hf.db"])
+    local = train(start_run(local_cfg, tmp_path / "hf"))
+    remote_cfg = [*overrides, f"pvpo.store={tmp_path}/sub.db", "rollout.engine=subprocess"]
+    remote = start_run(load_config(preset, remote_cfg), tmp_path / "sub")
+    assert isinstance(remote.engine, subprocess_engine.SubprocessEngine)
+    remote = train(remote)
+    assert _values(local.run_dir) == _values(remote.run_dir)
+    assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(local.run_dir))  # real updates
+    assert remote.engine.syncs == 1 + 3  # the initial weights, then after every update
+    for key, value in local.policy.state_dict().items():
+        assert torch.equal(value, remote.policy.state_dict()[key]), key
+
+
+def test_an_unknown_engine_names_the_registered_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown engine 'vllm'; registered: hf"):
+        load_config("grpo", ["rollout.engine=vllm"])
+
+
+def test_no_module_outside_rollout_builds_the_concrete_engine() -> None:
+    root = Path(anchor_rl.__file__).parent
+    users = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "HFEngine" in p.read_text() and p.parent.name != "rollout"
+    ]
+    assert users == []
