@@ -53,7 +53,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "ppo": ("ppo", []),
     "ppo-shared": ("ppo", ["critic.mode=shared"]),
     "vapo": ("vapo", ["critic.pretrain_steps=2"]),
-    "pvpo": ("pvpo", ["pvpo.m=2"]),
+    "pvpo": ("pvpo", ["pvpo.m=1"]),  # acc 0 or 1 per prompt: teacher rows every step
     "pvpo-static": ("pvpo", ["filter.kind=none"]),
     "pvpo-refresh-reference": ("pvpo", ["pvpo.m=2", "pvpo.refresh_every=1"]),
     "pvpo-refresh-policy": ("pvpo", ["pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
@@ -113,7 +113,9 @@ def fingerprint(names: list[str]) -> dict[str, dict]:
         preset, extra = VARIANTS[name]
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["ANCHOR_RL_CACHE"] = str(Path(tmp) / "cache")
-            cfg = load_config(preset, [*COMMON, f"pvpo.store={tmp}/anchors.db", *extra])
+            anchors = preset == "pvpo" or (preset == "v05" and "knn" not in " ".join(extra))
+            store = [f"pvpo.store={tmp}/anchors.db"] if anchors else []
+            cfg = load_config(preset, [*COMMON, *store, *extra])
             run = train(start_run(cfg, Path(tmp) / "run"))
             metrics = [
                 {k: _clean(v) for k, v in r.items() if not k.startswith("time/") and "seconds" not in k}

@@ -76,14 +76,12 @@ def register_advantage(
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Register the decorated function as estimator ``name`` (returned unchanged).
 
-    ``inputs`` names the keyword arguments it reads, from :data:`INPUTS`. Registering a
+    ``inputs`` names the keyword arguments it reads: names of :data:`INPUTS`, or a name a
+    method component of the run supplies (``Component.advantage_inputs``). Registering a
     name twice is an error (a plug-in would silently replace a built-in otherwise).
     """
-    unknown = [i for i in inputs if i not in INPUTS]
-    if unknown:
-        raise ValueError(
-            f"estimator {name!r} reads unknown inputs {unknown}; known: {', '.join(INPUTS)}"
-        )
+    if not inputs or len(set(inputs)) != len(inputs):
+        raise ValueError(f"estimator {name!r} needs distinct input names, got {inputs}")
 
     def decorate(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in ESTIMATORS:
@@ -221,21 +219,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(keep, (x - mean) * torch.rsqrt(var + eps), 0)
 
 
-def _masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over the tokens with ``mask > 0``; 0 elsewhere.
-
-    Mean and unbiased variance are taken over all masked tokens of the batch.
-    """
-    keep = mask > 0
-    n = keep.sum().to(x.dtype)
-    if n == 0:
-        return torch.zeros_like(x)
-    xm = torch.where(keep, x, 0)
-    mean = xm.sum() / n
-    var = torch.where(keep, x - mean, 0).square().sum() / (n - 1).clamp(min=1)
-    return torch.where(keep, (x - mean) * torch.rsqrt(var + eps), 0)
-
-
 @register_advantage("reinforce_pp", inputs=("token_rewards", "mask", "gamma"), token_level=True)
 def reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """REINFORCE++ advantage ``[B, T]``: discounted token returns whitened over the batch.
@@ -251,7 +234,7 @@ def reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Ten
     """
     _check_token("token_rewards", token_rewards, mask)
     _, returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
-    return _masked_whiten(returns, mask)
+    return masked_whiten(returns, mask)
 
 
 @register_advantage(

@@ -70,7 +70,16 @@ def compute_advantage(name: str, **inputs: Any) -> Tensor:
 
     Inputs it does not read are ignored; a missing optional one takes the estimator's
     default (``gamma = 1``, no ``dense_rewards``); a missing required one raises TypeError
-    naming it.
+    naming it and the inputs supplied.
     """
     estimator = get_estimator(name)
-    return estimator.fn(**{key: inputs[key] for key in estimator.inputs if key in inputs})
+    try:
+        return estimator.fn(**{key: inputs[key] for key in estimator.inputs if key in inputs})
+    except TypeError as exc:
+        missing = [key for key in estimator.inputs if key not in inputs]
+        if not missing:
+            raise
+        raise TypeError(
+            f"estimator {name!r} needs {exc}; inputs supplied: {', '.join(sorted(inputs))} "
+            "(a method component supplies the others: docs/training.md)"
+        ) from None

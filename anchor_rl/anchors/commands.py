@@ -263,28 +263,20 @@ def keys_command(
 def _teacher(
     spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
 ) -> Teacher:
-    from anchor_rl.anchors.teachers import HFTeacher, OpenAITeacher, OracleTeacher
+    from anchor_rl.anchors.teachers import make_teacher
     from anchor_rl.models.spec import frozen, load_spec
 
-    if spec == "oracle":
-        return OracleTeacher(s.task, s.tokenizer, s.model)
-    kind, _, target = spec.partition(":")
-    if kind == "hf" and target:
+    def load_model(target: str):
         model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)
-        return HFTeacher(
-            frozen(model), tokenizer, s.task, s.tokenizer, s.params, tries=tries, seed=seed
-        )
-    if kind == "http" and target:
-        if not teacher_model:
-            raise typer.BadParameter(
-                "an http teacher needs --teacher-model (the served model name)"
-            )
-        return OpenAITeacher(target, teacher_model, s.task, s.tokenizer, s.params, tries=tries)
-    raise typer.BadParameter(
-        f"unknown teacher {spec!r}; use oracle, hf:MODEL (a model directory or spec) or http:URL (e.g. "
-        "http://127.0.0.1:8000/v1)",
-        param_hint="--teacher",
-    )
+        return frozen(model), tokenizer
+
+    try:
+        return make_teacher(
+            spec, s.task, s.tokenizer, s.model, s.params, load_model=load_model, tries=tries,
+            seed=seed, teacher_model=teacher_model,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--teacher") from None
 
 
 @anchors_app.command("filter")
@@ -304,7 +296,8 @@ def filter_command(
     teacher: Annotated[
         str | None,
         typer.Option(
-            help="Teacher for accuracy-0 prompts: oracle, hf:MODEL or http:URL. None: drop them."
+            help="Teacher for accuracy-0 prompts: oracle, oracle:reference, hf:MODEL or http:URL. "
+            "None: drop them."
         ),
     ] = None,
     teacher_model: Annotated[

@@ -142,17 +142,19 @@ def sampling_settings(params: Any) -> dict[str, Any]:
 
 
 def task_identity(name: str, task: Task, kwargs: Mapping[str, Any] | None = None) -> str:
-    """A task's identity for keys: its name, constructor arguments, instruction, tools and stops.
+    """A task's identity for keys: its name, constructor arguments, instruction, tools, stops
+    and, when a run replaced it, its reward (``task.reward_spec()``).
 
     Record ids must be stable for one identity (the built-in tasks are seeded), since
     rows are looked up by record id under the key.
     """
-    return canonical_json(
-        {
-            "name": name,
-            "kwargs": dict(kwargs or {}),
-            "instruction": task.instruction,
-            "tools": sorted(task.tools),
-            "stop": list(task.stop),
-        }
-    )
+    identity = {
+        "name": name,
+        "kwargs": dict(kwargs or {}),
+        "instruction": task.instruction,
+        "tools": sorted(task.tools),
+        "stop": list(task.stop),
+    }
+    if (reward := task.reward_spec()) is not None:
+        identity["reward"] = reward
+    return canonical_json(identity)

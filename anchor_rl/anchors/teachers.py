@@ -2,25 +2,30 @@
 
 A teacher returns, per prompt, a completion the task's verifier accepts, as the POLICY's
 token ids, with per-token log-probs ``log pi_gt`` that the trainer uses as the "old"
-log-probs of that trajectory's importance ratio ``pi_theta / pi_gt``. Three kinds:
+log-probs of that trajectory's importance ratio ``pi_theta / pi_gt``. ``pi_gt`` is the
+probability under the distribution the trajectory was drawn from (its temperature and
+top-p included), the quantity an importance ratio needs. Three kinds:
 
+- :class:`OracleTeacher`: the task's reference solution (``task.trace``). Nothing sampled
+  it: a deterministic oracle writes its trace with probability 1, so ``log pi_gt = 0``
+  (``oracle``) and the ratio is ``pi_theta`` itself -- never above 1, so a clip at
+  ``1 + eps_high`` never stops the policy from learning the trace, while the gradient
+  ``A * pi_theta * grad log pi_theta`` is small on tokens the policy finds unlikely. The
+  variant ``oracle:reference`` scores the trace with the reference policy at the rollout
+  temperature instead: the ratio then starts near 1 and the clip stops a token once the
+  policy gives it ``(1 + eps_high)`` times the reference's probability (cumulatively over
+  the run, since pi_gt never changes).
 - :class:`HFTeacher`: a (larger) local Hugging Face model. Samples up to ``tries``
-  responses per prompt with the rollout engine and keeps the first correct one; its
-  log-probs are the teacher model's own (``token_logprobs``, temperature 1). The teacher
-  scores its own tokenisation, so its vocabulary must equal the policy's (else a
-  :class:`TokenizerMismatchError` naming both).
+  responses per prompt with the rollout engine and keeps the first correct one, with the
+  log-probs the engine drew its tokens with (the teacher at the sampling temperature and
+  top-p). Its vocabulary must equal the policy's (else a :class:`TokenizerMismatchError`).
 - :class:`OpenAITeacher`: an OpenAI-compatible completions endpoint that returns token
-  log-probs (vLLM, SGLang, ...). The returned tokens must be exactly the policy's
-  tokenisation of the returned text, else a :class:`TokenizerMismatchError`.
-- :class:`OracleTeacher`: the task's reference solution (``task.trace``). No model wrote
-  it, so its log-probs come from a *scoring model*, by default the reference policy.
-  Consequence: the importance ratio becomes ``pi_theta / pi_ref`` on that trajectory. It
-  starts near 1 (the policy starts as the reference), and with PPO-style clipping a
-  positive advantage stops pushing a token once ``pi_theta > (1 + eps_high) pi_ref``: the
-  oracle trajectory can raise each token's probability by only that factor over the
-  reference per update before its gradient is clipped. A larger-model teacher gives
-  high ``pi_gt`` and so a weaker cap; the oracle is a bounded, conservative signal.
+  log-probs (vLLM, SGLang, ...). They must be the sampled distribution's (vLLM: serve with
+  ``--logprobs-mode processed_logprobs``; its default reports the raw model's). The
+  returned tokens must be exactly the policy's tokenisation of the returned text, else a
+  :class:`TokenizerMismatchError`.
 
+A teacher's ``settings`` (sampling, temperature, log-prob kind) are part of its store key.
 Tool turns: tool output tokens carry ``loss_mask`` 0 and log-prob 0, like in rollouts.
 """
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -60,7 +65,9 @@ __all__ = [
     "OpenAITeacher",
     "OracleTeacher",
     "Teacher",
+    "TEACHER_SPECS",
     "TokenizerMismatchError",
+    "make_teacher",
     "teacher_batch",
     "teacher_key",
 ]
@@ -193,8 +200,9 @@ def score_responses(
     responses: Sequence[tuple[Sequence[int], Sequence[float]]],
     pad_id: int,
     micro_batch: int | None = None,
+    temperature: float = 1.0,
 ) -> list[Tensor]:
-    """Per-token log-probs (temperature 1) of each ``(ids, loss_mask)`` response under ``model``.
+    """Per-token log-probs of each ``(ids, loss_mask)`` response under ``model`` at ``temperature``.
 
     Returns one FloatTensor[L_i] per response on the CPU, 0 where the mask is 0.
     """
@@ -206,7 +214,7 @@ def score_responses(
     model.eval()
     try:
         with torch.no_grad():
-            logp, _ = token_logprobs(model, batch, micro_batch=micro_batch)
+            logp, _ = token_logprobs(model, batch, micro_batch=micro_batch, temperature=temperature)
     finally:
         model.train(was_training)
     logp = (logp.cpu() * batch.loss_mask).float()
@@ -214,12 +222,15 @@ def score_responses(
 
 
 class OracleTeacher:
-    """The task's reference solution (``task.trace``), scored by a scoring model (default: the reference).
+    """The task's reference solution (``task.trace``) as a teacher trajectory.
 
     The trace is tokenised with the policy tokenizer segment by segment (tool result
-    blocks get loss mask 0) and scored by ``scorer``, whose vocabulary must equal the
-    policy's. A trace the task's verifier rejects counts as unsolved. See the module
-    docstring for what scoring with the reference means for the importance ratio.
+    blocks get loss mask 0). Its log-probs are 0 (``log pi_gt`` of a deterministic writer)
+    unless ``scorer`` is given: then they are the scorer's at ``temperature`` (the
+    ``oracle:reference`` teacher scores with the reference at the rollout temperature;
+    top-p is not applied, a trace may hold tokens outside a nucleus). The scorer's
+    vocabulary must equal the policy's. A trace the task's verifier rejects counts as
+    unsolved. See the module docstring for what each choice does to the ratio.
     """
 
     name = "oracle"
@@ -229,19 +240,30 @@ class OracleTeacher:
         self,
         task: Task,
         policy_tokenizer: PreTrainedTokenizerBase,
-        scorer: PreTrainedModel,
+        scorer: PreTrainedModel | None = None,
         scorer_tokenizer: PreTrainedTokenizerBase | None = None,
+        temperature: float = 1.0,
         micro_batch: int | None = None,
     ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         self.task, self.policy_tokenizer, self.scorer = task, policy_tokenizer, scorer
         self.scorer_tokenizer = scorer_tokenizer or policy_tokenizer
-        require_same_vocab(self.scorer_tokenizer, policy_tokenizer, "scoring")
-        self.micro_batch = micro_batch
-        self.fingerprint = "oracle:" + fingerprint_model(scorer)
-        self.settings = {"scorer_tokenizer": fingerprint_tokenizer(self.scorer_tokenizer)}
+        self.temperature, self.micro_batch = temperature, micro_batch
+        if scorer is None:
+            self.fingerprint = "oracle"
+            self.settings: dict[str, Any] = {"logprobs": "deterministic"}
+        else:
+            require_same_vocab(self.scorer_tokenizer, policy_tokenizer, "scoring")
+            self.fingerprint = "oracle:" + fingerprint_model(scorer)
+            self.settings = {
+                "logprobs": "scorer",
+                "temperature": temperature,
+                "scorer_tokenizer": fingerprint_tokenizer(self.scorer_tokenizer),
+            }
 
     def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
-        """The scored trace of each record, or None where the verifier rejects it."""
+        """The trace of each record with its log-probs, or None where the verifier rejects it."""
         texts = [self.task.trace(r) for r in records]
         ok = [
             i
@@ -255,13 +277,17 @@ class OracleTeacher:
         for i in ok:
             ids, policy = encode_completion(self.policy_tokenizer, texts[i], bool(self.task.tools))
             encoded.append((ids, [float(p) for p in policy]))
-        prompts = [
-            encode_prompt(self.scorer_tokenizer, records[i].prompt, self.task.instruction)
-            for i in ok
-        ]
-        logps = score_responses(
-            self.scorer, prompts, encoded, self.policy_tokenizer.pad_token_id, self.micro_batch
-        )
+        if self.scorer is None:
+            logps = [torch.zeros(len(ids)) for ids, _ in encoded]
+        else:
+            prompts = [
+                encode_prompt(self.scorer_tokenizer, records[i].prompt, self.task.instruction)
+                for i in ok
+            ]
+            logps = score_responses(
+                self.scorer, prompts, encoded, self.policy_tokenizer.pad_token_id,
+                self.micro_batch, self.temperature,
+            )  # fmt: skip
         for i, (ids, mask), lp in zip(ok, encoded, logps, strict=True):
             out[i] = TeacherTrajectory(
                 prompt_id=records[i].id,
@@ -280,8 +306,8 @@ class HFTeacher:
 
     Rounds of ``per_round`` samples per unsolved prompt (default: all ``tries`` at once)
     until each prompt has a correct sample or ``tries`` samples are spent. The first
-    correct sample is kept; its log-probs are rescored with ``token_logprobs`` at
-    temperature 1 (the teacher model's own distribution, whatever temperature sampled it).
+    correct sample is kept with the log-probs the engine drew its tokens with: the
+    teacher's distribution at ``params``' temperature and top-p, the one it sampled from.
     """
 
     name = "hf"
@@ -296,7 +322,6 @@ class HFTeacher:
         tries: int = 8,
         per_round: int | None = None,
         seed: int = 0,
-        micro_batch: int | None = None,
     ) -> None:
         require_same_vocab(tokenizer, policy_tokenizer, "teacher")
         if tries < 1:
@@ -306,9 +331,10 @@ class HFTeacher:
         self.engine = make_engine("hf", model, tokenizer)
         self.params = task_params(params, task)
         self.tries, self.per_round = tries, min(per_round or tries, tries)
-        self.seed, self.micro_batch = seed, micro_batch
+        self.seed = seed
         self.fingerprint = "hf:" + fingerprint_model(model)
         self.settings = {
+            "logprobs": "sampled",
             "sampling": sampling_settings(self.params),
             "tokenizer": fingerprint_tokenizer(tokenizer),
             "tries": tries,
@@ -350,26 +376,15 @@ class HFTeacher:
         chosen: Sequence[tuple[int, int, int]],
         out: list[TeacherTrajectory | None],
     ) -> None:
-        rows = batch.select([row for _, row, _ in chosen])
-        responses = []
-        for b in range(len(rows)):
-            length = int(rows.attention_mask[b].sum())
-            responses.append(
-                (rows.response_ids[b, :length].tolist(), rows.loss_mask[b, :length].tolist())
-            )
-        logps = score_responses(
-            self.model, rows.prompt_ids, responses, rows.pad_id, self.micro_batch
-        )
-        for b, ((i, _, tries), (ids, mask), lp) in enumerate(
-            zip(chosen, responses, logps, strict=True)
-        ):
+        for i, row, tries in chosen:
+            length = int(batch.attention_mask[row].sum())
             out[i] = TeacherTrajectory(
                 prompt_id=records[i].id,
-                token_ids=torch.tensor(ids, dtype=torch.long),
-                logprobs=lp,
-                loss_mask=torch.tensor(mask),
-                text=rows.texts[b],
-                reward=self.task.reward(rows.texts[b], records[i]),
+                token_ids=batch.response_ids[row, :length].clone(),
+                logprobs=batch.logprobs[row, :length].clone(),
+                loss_mask=batch.loss_mask[row, :length].clone(),
+                text=batch.texts[row],
+                reward=self.task.reward(batch.texts[row], records[i]),
                 teacher=self.name,
                 tries=tries,
             )
@@ -426,6 +441,7 @@ class OpenAITeacher:
             {"url": self.url, "model": model}
         )
         self.settings = {
+            "logprobs": "server",
             "sampling": sampling_settings(self.params),
             "tries": tries,
             "extra_body": self.extra_body,
@@ -570,3 +586,42 @@ class OpenAITeacher:
         """Up to ``tries`` samples per record, ``concurrency`` records at a time."""
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._solve_one, records))
+
+
+TEACHER_SPECS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL")
+
+
+def make_teacher(
+    spec: str,
+    task: Task,
+    policy_tokenizer: PreTrainedTokenizerBase,
+    reference: PreTrainedModel | None,
+    params: SamplingParams,
+    *,
+    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
+    tries: int,
+    seed: int = 0,
+    teacher_model: str | None = None,
+) -> Teacher:
+    """The teacher a spec names (:data:`TEACHER_SPECS`).
+
+    ``oracle`` (log pi_gt = 0); ``oracle:reference`` (the trace scored by ``reference`` at
+    ``params.temperature``); ``hf:MODEL`` (``load_model(MODEL)`` samples, up to ``tries``);
+    ``http:URL`` (an OpenAI-compatible endpoint serving ``teacher_model``). ValueError for
+    anything else.
+    """
+    kind, _, target = spec.partition(":")
+    if spec == "oracle":
+        return OracleTeacher(task, policy_tokenizer)
+    if spec == "oracle:reference":
+        if reference is None:
+            raise ValueError("the oracle:reference teacher needs the reference model")
+        return OracleTeacher(task, policy_tokenizer, reference, temperature=params.temperature)
+    if kind == "hf" and target:
+        model, tokenizer = load_model(target)
+        return HFTeacher(model, tokenizer, task, policy_tokenizer, params, tries=tries, seed=seed)
+    if kind == "http" and target:
+        if not teacher_model:
+            raise ValueError(f"the teacher {spec!r} needs the served model's name")
+        return OpenAITeacher(target, teacher_model, task, policy_tokenizer, params, tries=tries)
+    raise ValueError(f"unknown teacher {spec!r}; use one of {', '.join(TEACHER_SPECS)}")

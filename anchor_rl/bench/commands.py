@@ -19,8 +19,8 @@ FUNCTION_SUITES = {
     "throughput": "anchor_rl.bench.throughput:run_throughput_suite",
     "baseline-mse": "anchor_rl.bench.probe:run_baseline_mse_suite",
 }
-"""Suites that are a function, not a suite file: ``fn(out, seeds, steps, overrides, profile,
-echo) -> {"summary_json", "summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""
+"""Suites that are a function, not a suite file: ``fn(BenchArgs) -> {"summary_json",
+"summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""
 
 
 def bench(
@@ -59,7 +59,7 @@ def bench(
 
     Re-running the same command skips finished runs and resumes stopped ones.
     """
-    from anchor_rl.bench.runner import load_suite, run_suite
+    from anchor_rl.bench.runner import BenchArgs, load_suite, run_suite
 
     try:
         if quick and profile not in (None, "quick"):
@@ -72,14 +72,11 @@ def bench(
         else:
             loaded = load_suite(suite)
             run, target = functools.partial(run_suite, loaded), loaded.name
-        result = run(
-            out or Path("bench") / target,
-            seeds=seed_list,
-            steps=steps,
-            overrides=settings,
-            profile="quick" if quick else profile,
-            echo=typer.echo,
-        )
+        args = BenchArgs(
+            out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,
+            profile="quick" if quick else profile, echo=typer.echo,
+        )  # fmt: skip
+        result = run(args)
     except (ConfigError, NotImplementedError, ImportError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

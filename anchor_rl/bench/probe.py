@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from anchor_rl.bench.mse import run_baseline_mse
-from anchor_rl.bench.runner import RunSpec, load_suite, plan, report, run_spec
+from anchor_rl.bench.runner import BenchArgs, RunSpec, load_suite, plan, report, run_spec
 from anchor_rl.bench.stats import t_interval
 from anchor_rl.trainer.v05_probe import read_probe
 
@@ -186,12 +186,7 @@ def probe_report(specs: Sequence[RunSpec], out: Path) -> dict[str, Any]:
 
 
 def run_baseline_mse_suite(
-    out: Path,
-    seeds: Sequence[int] | None = None,
-    steps: int | None = None,
-    overrides: Sequence[str] = (),
-    profile: str | None = None,
-    echo: Callable[[str], None] = print,
+    args: BenchArgs,
 ) -> dict[str, Any]:
     """Simulator, probed training runs and the probe report (see the module docstring).
 
@@ -199,7 +194,9 @@ def run_baseline_mse_suite(
     simulator uses the first seed. Returns ``{"summary_json", "summary_md", "plots"}``
     like ``runner.run_suite``, plus ``"simulator"`` and ``"probe"``.
     """
-    out = Path(out)
+    out, seeds, steps, overrides, profile, echo = (
+        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
+    )
     out.mkdir(parents=True, exist_ok=True)
     suite = load_suite(SUITE)
     specs = plan(suite, out / "training", seeds, steps, overrides, profile)

@@ -12,18 +12,22 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     [base.rollout]
     n = 8
 
+    [per_preset.pvpo]                   # optional: settings for the runs of one preset only
+    pvpo = { m = 5 }                    #   (a method's section, meaningless to the others)
+
     [variants.n4]                       # optional: named extra settings, crossed with presets
     rollout = { n = 4 }
 
     [profiles.quick]                    # optional: a named layer picked with --profile/--quick
     steps = 2
+    per_preset = { pvpo = { pvpo = { m = 2 } } }   # a profile may hold per-preset settings too
 
     runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
     target_accuracy = 0.5               # optional: report wall time and rollouts to reach it
     target_metric = "eval/train_accuracy"  # optional: the metric it applies to (default eval/accuracy)
 
-Settings apply in this order: preset, ``base``, the profile, the variant, ``seed``, the
-command line (``--steps``, ``key=value``). Every run's config is validated before the first
+Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
+``per_preset`` last), the variant, ``seed``, the command line (``--steps``, ``key=value``). Every run's config is validated before the first
 run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
 from their checkpoint, so re-running a suite command continues it.
 """
@@ -53,6 +57,7 @@ SUITE_KEYS = {
     "presets",
     "seeds",
     "base",
+    "per_preset",
     "variants",
     "profiles",
     "runs",
@@ -70,6 +75,8 @@ class Suite:
     presets: list[str]
     seeds: list[int]
     base: dict[str, Any] = field(default_factory=dict)
+    per_preset: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Preset name -> settings for that preset's runs only (after ``base``)."""
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: list[str] = field(default_factory=list)
@@ -78,6 +85,25 @@ class Suite:
     """Accuracy whose first crossing the summary times (``target_*`` figures)."""
     target_metric: str = "eval/accuracy"
     """The metric ``target_accuracy`` applies to (``eval/train_accuracy``: training prompts)."""
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """What ``anchor-rl bench`` gives every suite runner (a suite file's ``run_suite``, and the
+    function suites ``trl``, ``throughput``, ``baseline-mse``).
+
+    out: the suite's output directory. seeds: the seeds to run (None: the suite's).
+    steps: training steps of every run (None: the suite's). overrides: ``key=value``
+    settings for every run. profile: a profile of the suite (``quick``: a CI-sized run).
+    echo: where progress lines go.
+    """
+
+    out: Path
+    seeds: Sequence[int] | None = None
+    steps: int | None = None
+    overrides: Sequence[str] = ()
+    profile: str | None = None
+    echo: Callable[[str], None] = print
 
 
 @dataclass(frozen=True)
@@ -105,12 +131,17 @@ def load_suite(name_or_path: str) -> Suite:
         )
     if not table.get("presets"):
         raise ConfigError(f"suite {name!r}: `presets` must list at least one preset")
+    per_preset = [table.get("per_preset", {})]
+    per_preset += [p.get("per_preset", {}) for p in table.get("profiles", {}).values()]
+    if unused := sorted({k for layer in per_preset for k in layer} - set(table["presets"])):
+        raise ConfigError(f"suite {name!r}: per_preset names {unused}, not among its presets")
     return Suite(
         name=name,
         description=table.get("description", ""),
         presets=list(table["presets"]),
         seeds=list(table.get("seeds", [0])),
         base=table.get("base", {}),
+        per_preset=table.get("per_preset", {}),
         variants=table.get("variants", {}),
         profiles=table.get("profiles", {}),
         runs=list(table.get("runs", [])),
@@ -137,7 +168,8 @@ def plan(
     cli = dict(parse_override(o) for o in overrides)
     if steps is not None:
         cli["steps"] = steps
-    layers = [suite.base, suite.profiles.get(profile, {}) if profile else {}]
+    chosen = dict(suite.profiles.get(profile, {})) if profile else {}
+    profile_per_preset = chosen.pop("per_preset", {})
     variants = suite.variants or {"": {}}
     labels = [f"{p}+{v}" if v else p for p in suite.presets for v in variants]
     if missing := [r for r in suite.runs if r not in labels]:
@@ -150,7 +182,11 @@ def plan(
                 continue
             for seed in seeds if seeds is not None else suite.seeds:
                 table = read_preset(preset)
-                for layer in (*layers, settings, {"seed": seed}):
+                layers = (
+                    suite.base, suite.per_preset.get(preset, {}), chosen,
+                    profile_per_preset.get(preset, {}), settings, {"seed": seed},
+                )  # fmt: skip
+                for layer in layers:
                     table = _merge(table, layer)
                 try:
                     cfg = build_config(apply_overrides(table, cli))
@@ -218,17 +254,15 @@ def _stored_steps(spec: RunSpec) -> int:
 
 def run_suite(
     suite: Suite,
-    out: Path,
-    seeds: Sequence[int] | None = None,
-    steps: int | None = None,
-    overrides: Sequence[str] = (),
-    profile: str | None = None,
-    echo: Callable[[str], None] = print,
+    args: BenchArgs,
 ) -> dict[str, Any]:
     """Plan, validate, run every cell in turn, then write the summary and the plots.
 
     Returns ``{"summary_json", "summary_md", "plots"}`` paths.
     """
+    out, seeds, steps, overrides, profile, echo = (
+        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
+    )
     specs = plan(suite, out, seeds, steps, overrides, profile)
     Path(out).mkdir(parents=True, exist_ok=True)
     for i, spec in enumerate(specs, 1):

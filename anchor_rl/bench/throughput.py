@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.runner import Suite, plan, run_spec
+from anchor_rl.bench.runner import BenchArgs, Suite, plan, run_spec
 
 SIZE_ORDER = ("tiny", "small", "base")
 STAGES = ("generate", "score", "update")
@@ -143,12 +143,7 @@ def _cpu_name() -> str:
 
 
 def run_throughput_suite(
-    out: Path,
-    seeds: Sequence[int] | None = None,
-    steps: int | None = None,
-    overrides: Sequence[str] = (),
-    profile: str | None = None,
-    echo: Callable[[str], None] = print,
+    args: BenchArgs,
     sizes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Train each size for a few steps (finished runs are reused) and write the figures.
@@ -156,9 +151,11 @@ def run_throughput_suite(
     ``sizes`` defaults to :func:`default_sizes` for the runs' device. Returns
     ``{"summary_json", "summary_md", "plots"}`` paths.
     """
+    out, seeds, steps, overrides, profile, echo = (
+        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
+    )
     from anchor_rl.trainer.logging import read_metrics
 
-    out = Path(out)
     specs = plan(throughput_suite(), out, seeds, steps, overrides, profile)
     device = specs[0].config.device
     wanted = tuple(sizes) if sizes is not None else default_sizes(device, profile)

@@ -32,7 +32,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.runner import RunSpec, Suite, plan
+from anchor_rl.bench.runner import BenchArgs, RunSpec, Suite, plan
 from anchor_rl.bench.stats import Interval, t_interval
 from anchor_rl.bench.throughput import command_line, host_info
 from anchor_rl.trainer.config import ConfigError, TrainConfig, build_config
@@ -304,12 +304,7 @@ def peak_rss_mb() -> float:
 
 
 def run_trl_suite(
-    out: Path,
-    seeds: Sequence[int] | None = None,
-    steps: int | None = None,
-    overrides: Sequence[str] = (),
-    profile: str | None = None,
-    echo: Callable[[str], None] = print,
+    args: BenchArgs,
 ) -> dict[str, Any]:
     """Train anchor-rl and TRL for every seed (alternating, each in a fresh process),
     evaluate both final models, write the comparison. Finished runs of the same config are
@@ -317,8 +312,10 @@ def run_trl_suite(
 
     Returns ``{"summary_json", "summary_md", "plots"}`` paths.
     """
+    out, seeds, steps, overrides, profile, echo = (
+        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
+    )
     require_trl()
-    out = Path(out)
     specs = plan(TRL_SUITE, out, seeds, steps, overrides, profile)
     for spec in specs:
         grpo_config_kwargs(spec.config, "")  # fail before any run

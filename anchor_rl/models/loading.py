@@ -58,3 +58,23 @@ def save_policy(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn every dropout in ``model`` off, in place; returns how many were on.
+
+    Sets ``p = 0`` on ``nn.Dropout`` modules and zeroes the float dropout rates that
+    attention layers keep as attributes (Llama's and Qwen's ``attention_dropout``, read at
+    forward time in training mode). The model's saved config is left as it is.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed

@@ -62,6 +62,11 @@ class Task(ABC):
     def trace(self, record: Record) -> str:
         """A reference solution completion (what an oracle would write, tool turns included)."""
 
+    def reward_spec(self) -> dict[str, Any] | None:
+        """What replaced the task's own reward (``tasks.reward_set.RewardedTask``), for keys of
+        anything computed with the reward; None: the task's reward as it is."""
+        return None
+
     @property
     def stop(self) -> list[str]:
         """Strings that end one generation turn: the answer close tag and each tool's close tag."""

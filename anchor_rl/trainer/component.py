@@ -28,7 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.spec import load_reference
+from anchor_rl.trainer.registry import COMPONENTS, register_component
+
+__all__ = ["COMPONENTS", "Component", "Setup", "Step", "register_component"]
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +77,8 @@ class Setup:
                 cfg.ref_model or cfg.model, self.tokenizer, cfg.task, cfg.task_args, cfg.seed,
                 cfg.device, cfg.log.progress,
             )  # fmt: skip
+            if cfg.disable_dropout:
+                disable_dropout(self.reference)
         return self.reference
 
 
@@ -84,7 +90,9 @@ class Step:
     scored: the step's scored responses (components may replace it in ``on_rollouts``).
     metrics: the step's metrics so far (components add theirs).
     mask: FloatTensor[B, T], the tokens that enter the loss (set before stage 5).
-    old_logp: FloatTensor[B, T], the behaviour log-probs the ratio is taken against.
+    logp: FloatTensor[B, T], the sampling policy's own log-probs (KL terms, entropy).
+    old_logp: FloatTensor[B, T], the behaviour log-probs the ratio is taken against: ``logp``,
+        except on off-policy rows (a teacher's log pi_gt).
     ref_logp: FloatTensor[B, T] under the reference, or None without one.
     inputs: the estimator's inputs (:data:`anchor_rl.algos.advantages.INPUTS`) gathered
         from the loop and the components.
@@ -96,6 +104,7 @@ class Step:
     metrics: dict[str, float]
     timer: Timer
     mask: Tensor | None = None
+    logp: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     inputs: dict[str, Any] = field(default_factory=dict)

@@ -76,13 +76,42 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """Shaping added to the task's reward."""
+    """The training reward: the task's, reward functions added to or replacing it, shaping."""
+
+    functions: list[str] = Field(default_factory=list)
+    """Reward functions added to the task's reward, TRL's signature fn(prompts, completions,
+    **columns) -> list[float | None] with columns answer, prompt_id and the record's meta:
+    built-in names (qa_em, qa_f1, qa_cem, math, pvpo, format) or `module:function`. The
+    task's verifier stays the accuracy metric (`correct`)."""
+    weights: list[float] | None = None
+    """One weight per reward function (TRL's reward_weights); None: 1 each."""
+    task_weight: float = 1.0
+    """Weight of the task's own reward in the training reward; 0 replaces it by the functions."""
 
     overlong_cache: float = Field(0.0, ge=0, lt=1)
     """DAPO soft overlong punishment: the window as a fraction of rollout.max_new_tokens
     (L_cache = round(overlong_cache * max_new_tokens), at least 1 token). The reward gets 0
     up to max_new_tokens - L_cache, then a penalty falling linearly to -1 at max_new_tokens.
     0 disables it."""
+
+    @model_validator(mode="after")
+    def _functions(self) -> RewardConfig:
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries for {len(self.functions)} "
+                "reward.functions: give one weight per function"
+            )
+        if not self.functions and self.task_weight == 0:
+            raise ValueError("reward.task_weight=0 without reward.functions leaves no reward")
+        if self.functions:
+            from anchor_rl.tasks.reward_set import resolve_reward_function
+
+            for name in self.functions:
+                try:
+                    resolve_reward_function(name)
+                except ValueError as exc:
+                    raise ValueError(f"reward.functions: {exc}") from None
+        return self
 
 
 class FilterConfig(_Section):
@@ -104,10 +133,13 @@ class FilterConfig(_Section):
 
 
 def _registered(kind: str, name: str) -> str:
-    """``name`` if it is a registered ``estimator``, ``policy loss`` or ``engine``; the
-    registries are imported here, at validation, so importing the config needs no torch."""
+    """``name`` if it is a registered ``estimator``, ``policy loss``, ``engine`` or
+    ``component``; the registries are imported here, at validation, so importing the config
+    needs no torch."""
     if kind == "engine":
         from anchor_rl.rollout.engine import ENGINES as names
+    elif kind == "component":
+        from anchor_rl.trainer.registry import COMPONENTS as names
     else:
         from anchor_rl.algos import registry
 
@@ -180,7 +212,7 @@ class LossConfig(_Section):
 class OptimConfig(_Section):
     """AdamW, warm-up then constant learning rate, PPO epochs over mini-batches."""
 
-    lr: float = Field(3e-5, gt=0)
+    lr: float = Field(3e-5, ge=0)
     """Peak learning rate (3e-5 suits the tiny SFT references; 2e-4 drifts away from them)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up from lr/warmup_steps to lr over this many optimizer steps."""
@@ -244,9 +276,48 @@ class LogConfig(_Section):
     """Show a progress bar with the key figures."""
 
 
+def load_plugin(name: str) -> None:
+    """Import a plug-in: a module name (``my_pkg.estimators``) or a Python file
+    (``path/to/file.py``), once. Its imports register estimators, policy losses, engines
+    and components."""
+    import hashlib
+    import importlib
+    import importlib.util
+    import sys
+
+    if name.endswith(".py"):
+        path = Path(name).resolve()
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        module_name = f"anchor_rl_plugin_{path.stem}_{digest}"
+        if module_name in sys.modules:
+            return
+        if not path.is_file():
+            raise ValueError(f"plugin file {name!r} does not exist")
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            del sys.modules[module_name]
+            raise
+        return
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"plugin {name!r} cannot be imported ({exc}); name an importable module or a .py file"
+        ) from None
+
+
 class TrainConfig(_Section):
     """Everything a training run depends on."""
 
+    plugins: list[str] = Field(default_factory=list)
+    """Modules (`my_pkg.methods`) or Python files (`path/to/methods.py`) imported before the rest
+    of the config is checked: what they register (estimators, policy losses, engines,
+    components) can then be named. Resumed runs import them again."""
     preset: str | None = None
     """Name of the preset the run started from (informational)."""
     task: str = "arithmetic"
@@ -271,6 +342,12 @@ class TrainConfig(_Section):
     None: run all `steps`."""
     device: str = "cpu"
     """Torch device of the policy and the reference."""
+    disable_dropout: bool = True
+    """Switch every dropout of the policy, the reference and the critic off for the whole run
+    (as TRL and OpenRLHF do): the recomputed old log-probs then equal the update's, and the
+    first mini-batch's ratio is exactly 1. `false` keeps the model's dropout in the update
+    only; the old log-probs stay those of the dropout-free model that sampled the tokens
+    (docs/training.md)."""
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     filter: FilterConfig = FilterConfig()
@@ -284,6 +361,34 @@ class TrainConfig(_Section):
     pvpo: PVPOConfig = PVPOConfig()
     critic: CriticConfig = CriticConfig()
     v05: V05Config = V05Config()
+    components: list[str] = Field(default_factory=list)
+    """Registered method components (anchor_rl.trainer.component.register_component) added to
+    the run, in this order, after the built-in ones (PVPO, V0.5 and the critic, which the
+    estimator's inputs decide)."""
+    component_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Keyword arguments of each added component's factory (`component_args.NAME.KEY=value`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for key in ("plugins", "components"):  # `plugins=a.py,b` on the command line
+            if isinstance(data.get(key), str):
+                data[key] = [part.strip() for part in data[key].split(",") if part.strip()]
+        for plugin in data.get("plugins") or []:
+            load_plugin(str(plugin))
+        return data
+
+    @field_validator("components")
+    @classmethod
+    def _known_components(cls, value: list[str]) -> list[str]:
+        for name in value:
+            _registered("component", name)
+        if len(set(value)) != len(value):
+            raise ValueError(f"components lists a name twice: {value}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -303,29 +408,207 @@ class TrainConfig(_Section):
         return 0 if frac == 0 else max(1, round(frac * self.rollout.max_new_tokens))
 
 
+def _changed(section: BaseModel, names: tuple[str, ...] | None = None) -> list[str]:
+    """Fields of ``section`` (all, or ``names``) whose value differs from the default."""
+    fields = type(section).model_fields
+    return [
+        name
+        for name in (names or tuple(fields))
+        if getattr(section, name) != fields[name].get_default(call_default_factory=True)
+    ]
+
+
+def _no_effect(section: str, names: list[str], why: str) -> str:
+    keys = ", ".join(f"{section}.{n}" for n in names)
+    return f"{keys} {'has' if len(names) == 1 else 'have'} no effect: {why}"
+
+
 def combination_errors(cfg: TrainConfig) -> list[str]:
-    """What is inconsistent between sections (empty: nothing); each names the field and the fix."""
-    errors = []
-    vc, estimator = cfg.v05, cfg.advantage.estimator
-    if cfg.rollout.budget == "adaptive" and estimator != "v05":
+    """Settings that cannot mean what the user thinks (empty: none); each message names the
+    field and the fix. docs/training.md ("Refused combinations") lists every rule.
+
+    A setting the run ignores is refused when it differs from its default (a preset that
+    writes a default value out is not an error); the method components a run builds follow
+    from the estimator's inputs (``run.build_components``).
+    """
+    from anchor_rl.algos.registry import get_estimator
+
+    errors: list[str] = []
+    est = cfg.advantage.estimator
+    reads = set(get_estimator(est).inputs)
+    critic = "values" in reads  # the components the run builds (run.build_components)
+    pvpo = "anchor" in reads or cfg.filter.kind == "group"
+    v05 = "baseline" in reads
+    vc, pc, cc = cfg.v05, cfg.pvpo, cfg.critic
+    v05_anchor = v05 and vc.prior.split("+")[0] == "anchor"
+
+    # --- sections the run does not use ---------------------------------------------------
+    if not critic and (names := _changed(cc)):
         errors.append(
-            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
-            f'advantage.estimator="v05" (got {estimator!r})'
+            _no_effect(
+                "critic",
+                names,
+                f"advantage.estimator={est} has no critic "
+                "(it does not read values); drop them or use advantage.estimator=gae",
+            )
         )
-    if vc.probe_every and estimator != "v05":
-        errors.append(f'v05.probe_every needs advantage.estimator="v05" (got {estimator!r})')
-    if estimator != "v05":
-        return errors
-    if cfg.rollout.n > vc.k_max:
-        errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
-    lo, hi = vc.reward_range
-    if not lo < hi:
-        errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
-    if vc.prior.startswith("anchor") and cfg.pvpo.refresh_every:
+    if not v05 and (names := _changed(vc)):
+        errors.append(
+            _no_effect(
+                "v05",
+                names,
+                f"advantage.estimator={est} is not V0.5; drop them or use advantage.estimator=v05",
+            )
+        )
+    if not pvpo and not v05_anchor and (names := _changed(pc)):
+        errors.append(
+            _no_effect(
+                "pvpo",
+                names,
+                "the run presamples no anchors; drop them or "
+                "use advantage.estimator=pvpo or filter.kind=group",
+            )
+        )
+    if not pvpo and v05_anchor:
+        group_only = ("teacher", "teacher_model", "teacher_tries", "keep_unsolved", "refresh_mode")
+        if names := _changed(pc, group_only):
+            errors.append(
+                _no_effect(
+                    "pvpo",
+                    names,
+                    "V0.5's anchor prior uses only pvpo.m, "
+                    "pvpo.store and pvpo.presample_batch; the rest belongs to "
+                    "group sampling (filter.kind=group)",
+                )
+            )
+    if v05_anchor and pc.refresh_every:
         errors.append(
             "v05.prior uses the static anchor, which V0.5 does not refresh: set "
             "pvpo.refresh_every=0 (the history layer follows the policy instead)"
         )
+
+    # --- estimator and filter ------------------------------------------------------------
+    if cfg.rollout.n == 1 and "index" in reads:
+        errors.append(
+            f"rollout.n=1 with advantage.estimator={est}: a group of one response is "
+            "its own baseline, so every advantage is 0; set rollout.n >= 2"
+        )
+    if cfg.filter.kind == "dynamic" and reads & {"anchor", "baseline"}:
+        errors.append(
+            f"filter.kind=dynamic with advantage.estimator={est}: dynamic sampling "
+            "drops groups whose rewards are all equal, which carry gradient against "
+            "a per-prompt baseline (r - V is not 0); use filter.kind=group or none"
+        )
+    if cfg.filter.kind != "dynamic" and _changed(cfg.filter, ("max_rounds",)):
+        errors.append(
+            _no_effect(
+                "filter",
+                ["max_rounds"],
+                "it bounds dynamic sampling's rounds; set filter.kind=dynamic or drop it",
+            )
+        )
+    if "gamma" not in reads and _changed(cfg.advantage, ("gamma",)):
+        errors.append(
+            _no_effect(
+                "advantage",
+                ["gamma"],
+                f"advantage.estimator={est} has no token returns to discount",
+            )
+        )
+    uses_ref = cfg.needs_ref or pvpo or v05_anchor
+    if cfg.ref_model is not None and not uses_ref:
+        errors.append(
+            "ref_model has no effect: nothing reads a reference (kl.coef=0, "
+            "kl.track=false, no anchors); drop it or set kl.coef or kl.track=true"
+        )
+
+    # --- the adaptive budget and V0.5 ------------------------------------------------------
+    if cfg.rollout.budget == "adaptive" and not v05:
+        errors.append(
+            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
+            f'advantage.estimator="v05" (got {est!r})'
+        )
+    if v05:
+        lo, hi = vc.reward_range
+        if cfg.rollout.n > vc.k_max:
+            errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
+        if not lo < hi:
+            errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
+        if cfg.reward.overlong_cache > 0 and lo > -1:
+            errors.append(
+                "reward.overlong_cache punishes overlong responses down to -1, below "
+                f"v05.reward_range={list(vc.reward_range)}: set v05.reward_range=[-1, {hi}]"
+            )
+        if cfg.rollout.budget != "adaptive" and (names := _changed(vc, ("cost", "top_up_rounds"))):
+            errors.append(
+                _no_effect("v05", names, 'they size top-ups: set rollout.budget="adaptive"')
+            )
+        if vc.prior.split("+")[0] != "knn" and (
+            names := _changed(vc, ("knn_window", "knn_top_k", "knn_temperature"))
+        ):
+            errors.append(_no_effect("v05", names, f"v05.prior={vc.prior} has no knn base"))
+        if "history" not in vc.prior and (
+            names := _changed(vc, ("history_strength", "history_gamma"))
+        ):
+            errors.append(_no_effect("v05", names, f"v05.prior={vc.prior} has no history layer"))
+        probe = ("probe_prompts", "probe_truth", "probe_heldout", "probe_heldout_truth")
+        if not vc.probe_every and (names := _changed(vc, probe)):
+            errors.append(_no_effect("v05", names, "v05.probe_every=0 switches the probe off"))
+
+    # --- PVPO ----------------------------------------------------------------------------
+    if pvpo:
+        http = pc.teacher is not None and pc.teacher.startswith("http:")
+        sampled = pc.teacher is not None and pc.teacher.split(":")[0] in ("hf", "http")
+        if pc.teacher_model is not None and not http:
+            errors.append(
+                _no_effect("pvpo", ["teacher_model"], "it names the model an http: teacher serves")
+            )
+        if not sampled and _changed(pc, ("teacher_tries",)):
+            errors.append(
+                _no_effect("pvpo", ["teacher_tries"], f"pvpo.teacher={pc.teacher} does not sample")
+            )
+        if cfg.filter.kind != "group" and (
+            names := _changed(pc, ("teacher", "teacher_model", "teacher_tries", "keep_unsolved"))
+        ):
+            errors.append(
+                _no_effect(
+                    "pvpo",
+                    names,
+                    "teachers and unsolved prompts belong to group sampling: set filter.kind=group",
+                )
+            )
+        if not pc.refresh_every and _changed(pc, ("refresh_mode",)):
+            errors.append(
+                _no_effect("pvpo", ["refresh_mode"], "pvpo.refresh_every=0 never refreshes")
+            )
+        if pc.teacher == "oracle:reference" and cfg.rollout.top_p < 1:
+            errors.append(
+                "pvpo.teacher=oracle:reference scores the trace without a nucleus, so "
+                "with rollout.top_p < 1 its pi_gt is not the distribution the reference "
+                "samples from; use pvpo.teacher=oracle or rollout.top_p=1"
+            )
+
+    if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
+        errors.append(f"component_args names {unlisted}, which components does not list")
+
+    # --- the critic ------------------------------------------------------------------------
+    if critic:
+        if cc.policy_lam != "adaptive" and (names := _changed(cc, ("lam_alpha", "lam_min"))):
+            errors.append(
+                _no_effect(
+                    "critic",
+                    names,
+                    "they shape the length-adaptive lambda: set critic.policy_lam=adaptive",
+                )
+            )
+        if cc.pretrain_steps == 0 and _changed(cc, ("pretrain_ev_threshold",)):
+            errors.append(
+                _no_effect(
+                    "critic",
+                    ["pretrain_ev_threshold"],
+                    "critic.pretrain_steps=0 switches value pretraining off",
+                )
+            )
     return errors
 
 
@@ -406,7 +689,7 @@ def apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any]) -> dict
     known = set(field_paths())
     out = _deep_copy(table)
     for key, value in overrides.items():
-        if key not in known and not key.startswith("task_args."):
+        if key not in known and not key.startswith(("task_args.", "component_args.")):
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}")
@@ -427,14 +710,15 @@ def build_config(table: Mapping[str, Any]) -> TrainConfig:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            if not err["loc"]:  # a cross-field check: its message names the fields
-                lines.append(err["msg"].removeprefix("Value error, "))
+            where, msg = ".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")
+            if err["type"] == "value_error" and (not where or "." not in where):
+                lines.append(msg)  # a check across fields or sections: its message names them
+            elif err["type"] == "value_error":
+                lines.append(f"{where}: {msg}")  # the message names the value
             elif err["type"] == "extra_forbidden":
-                lines.append(f"{'.'.join(map(str, err['loc']))}: unknown key")
+                lines.append(f"{where}: unknown key")
             else:
-                lines.append(
-                    f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
-                )
+                lines.append(f"{where}: {msg} (got {err['input']!r})")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     return cfg
 

@@ -47,6 +47,7 @@ from anchor_rl.algos.advantages import masked_whiten
 from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.models.critic import Critic
+from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.sft import cache_root
 from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
@@ -306,6 +307,8 @@ class PPOCritic(Component):
                 self.critic, history = pretrain_critic(cfg, setup.policy, setup.engine, setup.task)
             (Path(setup.run_dir) / PRETRAIN_FILE).write_text(json.dumps(history, indent=2) + "\n")
             self.value_pretrain_rollouts = history["rollouts"]
+        if cfg.disable_dropout:
+            disable_dropout(self.critic)
         self.optimizer = critic_optimizer(cfg, self.critic)
 
     def advantage_inputs(self, step: Step) -> dict[str, Any]:

@@ -56,15 +56,18 @@ def train_step(run: Run) -> dict[str, float]:
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)
         with timer("update"):
-            # 4: log-probs under the sampling policy (recomputed; off-policy rows such as PVPO's
-            # teacher trajectories keep the log-probs they came with) and the reference
-            old_logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
-            step.old_logp = old_logp = behaviour_logprobs(old_logp, batch, scored.off_policy)
+            # 4: log-probs of the policy that sampled (recomputed), the behaviour log-probs of
+            # the ratio (the same, except off-policy rows such as PVPO's teacher trajectories,
+            # which keep the log-probs they came with) and the reference's. The KL terms and
+            # the entropy are the policy's own on every row.
+            logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
+            step.logp = logp
+            step.old_logp = old_logp = behaviour_logprobs(logp, batch, scored.off_policy)
             ref_logp = None if run.ref is None else score_logprobs(run.ref, batch, cfg)[0]
             step.ref_logp = ref_logp
             # 5: the estimator on the loop's inputs and the components' (anchor, baseline,
             # values); then the components' own work on the advantages (the critic's update)
-            step.inputs = base_inputs(cfg, scored.rewards, batch.group, mask, old_logp, ref_logp)
+            step.inputs = base_inputs(cfg, scored.rewards, batch.group, mask, logp, ref_logp)
             for component in components:
                 step.inputs |= component.advantage_inputs(step)
             step.advantages = compute_advantages(cfg, step.inputs)
@@ -80,7 +83,7 @@ def train_step(run: Run) -> dict[str, float]:
         metrics |= advantage_metrics(adv, mask)
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
         if ref_logp is not None:
-            metrics["kl/ref"] = token_mean(kl(old_logp, ref_logp, cfg.kl.kind), batch.loss_mask)
+            metrics["kl/ref"] = token_mean(kl(logp, ref_logp, cfg.kl.kind), batch.loss_mask)
     metrics |= counters(run)
     metrics |= {f"time/{name}": timer.seconds[name] for name in ("generate", "score", "update")}
     return metrics

@@ -49,14 +49,7 @@ from anchor_rl.anchors.presample import (
     task_params,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
-from anchor_rl.anchors.teachers import (
-    HFTeacher,
-    OpenAITeacher,
-    OracleTeacher,
-    Teacher,
-    teacher_batch,
-    teacher_key,
-)
+from anchor_rl.anchors.teachers import Teacher, make_teacher, teacher_batch, teacher_key
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
 from anchor_rl.models.spec import frozen, load_spec
@@ -201,26 +194,24 @@ def build_teacher(
     cfg: TrainConfig,
     task: Task,
     tokenizer: PreTrainedTokenizerBase,
-    reference: PreTrainedModel,
+    reference: PreTrainedModel | None,
     params: SamplingParams,
 ) -> Teacher | None:
     """The teacher ``pvpo.teacher`` names, or None; see ``PVPOConfig.teacher``."""
     pc = cfg.pvpo
     if pc.teacher is None:
         return None
-    if pc.teacher == "oracle":
-        return OracleTeacher(task, tokenizer, reference)
-    kind, _, target = pc.teacher.partition(":")
-    if kind == "hf":
+
+    def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model, teacher_tokenizer = load_spec(
-            target, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
+            spec, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
         )
-        return HFTeacher(
-            frozen(model), teacher_tokenizer, task, tokenizer, params,
-            tries=pc.teacher_tries, seed=PRESAMPLE_SEED,
-        )  # fmt: skip
-    assert pc.teacher_model is not None  # PVPOConfig requires it for http teachers
-    return OpenAITeacher(target, pc.teacher_model, task, tokenizer, params, tries=pc.teacher_tries)
+        return frozen(model), teacher_tokenizer
+
+    return make_teacher(
+        pc.teacher, task, tokenizer, reference, params, load_model=load_model,
+        tries=pc.teacher_tries, seed=PRESAMPLE_SEED, teacher_model=pc.teacher_model,
+    )  # fmt: skip
 
 
 class PVPO(Component):
@@ -343,9 +334,8 @@ class PVPO(Component):
 
 def _group_sampling(setup: Setup, anchor_set: AnchorSet) -> FilterResult:
     cfg, task = setup.cfg, setup.task
-    teacher = build_teacher(
-        cfg, task, setup.tokenizer, setup.get_reference(), anchor_set.params
-    )
+    reference = setup.get_reference() if cfg.pvpo.teacher == "oracle:reference" else None
+    teacher = build_teacher(cfg, task, setup.tokenizer, reference, anchor_set.params)
     task_id = task_identity(cfg.task, task, cfg.task_args)
     tkey = None if teacher is None else teacher_key(teacher, task_id)
     records = anchor_set.records

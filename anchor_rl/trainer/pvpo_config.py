@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-TEACHER_KINDS = ("oracle", "hf:MODEL", "http:URL", "none")
+TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
 
 
 class PVPOConfig(BaseModel):
@@ -33,10 +33,12 @@ class PVPOConfig(BaseModel):
     """Prompts per presampling (and refresh) engine call, M responses each."""
     teacher: str | None = "oracle"
     """Group sampling: who writes a correct trajectory for the prompts the reference never
-    solves. `oracle`: the task's reference solution, its log-probs scored by the reference
-    policy; `hf:MODEL`: a (larger) local model sharing the policy's tokenizer, a directory or
-    a spec such as `hf:sft:small`; `http:URL`: an OpenAI-compatible /completions endpoint
-    (vLLM, SGLang) serving `pvpo.teacher_model`; None (`pvpo.teacher=none`): no teacher."""
+    solves. `oracle`: the task's reference solution, written with probability 1 (log pi_gt =
+    0, the ratio is pi_theta); `oracle:reference`: the same trace scored by the reference at
+    the rollout temperature; `hf:MODEL`: a (larger) local model sharing the policy's
+    tokenizer, a directory or a spec such as `hf:sft:small`, with the log-probs it sampled
+    with; `http:URL`: an OpenAI-compatible /completions endpoint (vLLM, SGLang) serving
+    `pvpo.teacher_model`; None (`pvpo.teacher=none`): no teacher."""
     teacher_model: str | None = None
     """Served model name of an `http:` teacher."""
     teacher_tries: int = Field(8, gt=0)
@@ -57,7 +59,7 @@ class PVPOConfig(BaseModel):
         if value is None:
             return value
         kind, _, target = value.partition(":")
-        if value == "oracle" or (kind in ("hf", "http") and target):
+        if value in ("oracle", "oracle:reference") or (kind in ("hf", "http") and target):
             return value
         raise ValueError(f"unknown teacher {value!r}; use one of {', '.join(TEACHER_KINDS)}")
 

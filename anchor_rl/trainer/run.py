@@ -23,15 +23,16 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos.registry import get_estimator
-from anchor_rl.models.loading import load_policy
+from anchor_rl.models.loading import disable_dropout, load_policy
 from anchor_rl.models.spec import load_spec, quiet_transformers
 from anchor_rl.rollout.engine import Engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks import get_task
 from anchor_rl.tasks.base import Task
+from anchor_rl.tasks.reward_set import with_rewards
 from anchor_rl.trainer import checkpoint
-from anchor_rl.trainer.component import Component, Setup
+from anchor_rl.trainer.component import COMPONENTS, Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
@@ -85,6 +86,8 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
     policy, tokenizer = load_spec(
         cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
     )
+    if cfg.disable_dropout:
+        disable_dropout(policy)
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return _assemble(cfg, run_dir, task, policy, tokenizer, TrainState())
 
@@ -116,6 +119,8 @@ def resume_run(run_dir: Path, overrides: dict[str, object] | None = None) -> Run
 
     with quiet_transformers():
         policy, tokenizer = load_policy(path / "policy", device=cfg.device)
+    if cfg.disable_dropout:
+        disable_dropout(policy)
     run = _assemble(cfg, run_dir, task, policy, tokenizer, state, resuming=True)
     checkpoint.load_training_states(path, run.optimizer, run.scheduler, run.generator)
     checkpoint.load_components(path, run.components)
@@ -123,11 +128,15 @@ def resume_run(run_dir: Path, overrides: dict[str, object] | None = None) -> Run
 
 
 def load_task(cfg: TrainConfig) -> Task:
-    """The task the config names; ConfigError naming ``task``/``task_args`` if it is not one."""
+    """The task the config names, its reward replaced per ``reward.functions`` and
+    ``reward.task_weight`` when they ask (``tasks.reward_set``); ConfigError naming
+    ``task``/``task_args`` if it is not one."""
     try:
-        return get_task(cfg.task, **cfg.task_args)
+        task = get_task(cfg.task, **cfg.task_args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"task={cfg.task!r} task_args={cfg.task_args}: {e}") from None
+    rc = cfg.reward
+    return with_rewards(task, rc.functions, rc.weights, rc.task_weight)
 
 
 def evaluate_policy(run: Run, step: int) -> dict[str, float]:
@@ -200,10 +209,13 @@ def build_components(setup: Setup) -> dict[str, Component]:
     ``v05_probe``  the ``v05`` component is there and ``v05.probe_every > 0``
     ``pvpo``       the estimator reads ``anchor``, or ``filter.kind = "group"``
     ``critic``     the estimator reads ``values`` (``gae``: PPO, VAPO)
+    (any)          named in ``components``: a registered component, built by
+                   ``factory(setup, **component_args[name])``
     =============  ====================================================================
 
     Order: V0.5 acts on a step's rollouts before PVPO injects teacher rows (its fusion and
-    prior see the policy's own rollouts only); the critic comes last.
+    prior see the policy's own rollouts only); then the critic; then the added components,
+    in the order ``components`` lists them.
     """
     cfg = setup.cfg
     reads = set(get_estimator(cfg.advantage.estimator).inputs)
@@ -219,6 +231,10 @@ def build_components(setup: Setup) -> dict[str, Component]:
         components["pvpo"] = pvpo
     if "values" in reads:
         components["critic"] = PPOCritic(setup)
+    for name in cfg.components:
+        if name in components:
+            raise ConfigError(f"components: {name!r} is a built-in component's name")
+        components[name] = COMPONENTS[name](setup, **cfg.component_args.get(name, {}))
     return components
 
 

@@ -35,16 +35,23 @@ def score_logprobs(
     """``(logp[B, T], entropy[B, T] | None)`` of the batch under ``model``, no gradient, on
     the CPU with the rest of the batch.
 
-    Logits are divided by the rollout temperature, as in the update's forward pass, so the
-    first mini-batch's ratio is exactly 1 for the recomputed old log-probs.
+    The model is scored in eval mode, as the engine samples: these are the log-probs of the
+    distribution the tokens were drawn from. Logits are divided by the rollout temperature,
+    as in the update's forward pass, so with dropout off (``disable_dropout``) the first
+    mini-batch's ratio is exactly 1 for the recomputed old log-probs.
     """
-    logp, entropy = token_logprobs(
-        model,
-        batch,
-        with_entropy=with_entropy,
-        micro_batch=cfg.optim.micro_batch_size,
-        temperature=cfg.rollout.temperature,
-    )
+    was_training = model.training
+    model.eval()
+    try:
+        logp, entropy = token_logprobs(
+            model,
+            batch,
+            with_entropy=with_entropy,
+            micro_batch=cfg.optim.micro_batch_size,
+            temperature=cfg.rollout.temperature,
+        )
+    finally:
+        model.train(was_training)
     return logp.cpu(), None if entropy is None else entropy.cpu()
 
 

@@ -21,6 +21,7 @@ from anchor_rl.anchors.teachers import (
     OpenAITeacher,
     OracleTeacher,
     TokenizerMismatchError,
+    make_teacher,
     teacher_batch,
     teacher_key,
 )
@@ -31,13 +32,15 @@ from anchor_rl.tasks.base import Record
 from anchor_rl.tools.parsing import format_result
 
 
-def manual_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """log p(response_t | prompt, response_<t) from one unpadded forward pass."""
+def manual_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(response_t | prompt, response_<t) at ``temperature``, one unpadded forward pass."""
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
     return (
-        torch.log_softmax(logits.float(), -1)
+        torch.log_softmax(logits.float() / temperature, -1)
         .gather(-1, torch.tensor(response)[:, None])
         .squeeze(-1)
     )
@@ -51,10 +54,10 @@ def other_tokenizer() -> PreTrainedTokenizerFast:
 # -- oracle ----------------------------------------------------------------------------
 
 
-def test_oracle_trajectories_are_policy_tokens_scored_by_the_reference(tokenizer, tiny_model):
+def test_oracle_trajectories_are_policy_tokens_written_with_probability_one(tokenizer):
     task = EchoTask(n=3, bad_trace=frozenset({"p1"}))
     recs = task.records("train")
-    teacher = OracleTeacher(task, tokenizer, tiny_model)
+    teacher = OracleTeacher(task, tokenizer)
     out = teacher.solve(recs)
     assert out[1] is None  # the verifier rejects p1's trace
     for i in (0, 2):
@@ -63,19 +66,49 @@ def test_oracle_trajectories_are_policy_tokens_scored_by_the_reference(tokenizer
         assert t.token_ids.tolist() == expected and t.token_ids.dtype == torch.long
         assert t.logprobs.shape == t.loss_mask.shape == (len(expected),)
         assert torch.equal(t.loss_mask, torch.ones(len(expected)))
-        prompt = encode_prompt(tokenizer, recs[i].prompt, task.instruction)
-        torch.testing.assert_close(
-            t.logprobs, manual_logprobs(tiny_model, prompt, expected), atol=1e-4, rtol=0
-        )
+        assert torch.equal(t.logprobs, torch.zeros(len(expected)))  # log pi_gt = log 1
         assert (t.text, t.reward, t.teacher, t.tries) == (task.trace(recs[i]), 1.0, "oracle", 1)
     key = teacher_key(teacher, "echo")
     assert key.tag == "teacher/oracle" and key.tokenizer == fingerprint_tokenizer(tokenizer)
+    assert key.model == "oracle" and key.sampling == {"logprobs": "deterministic"}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_reference_scored_oracle_uses_the_rollout_temperature(tokenizer, tiny_model, temperature):
+    task = EchoTask(n=2)
+    recs = task.records("train")
+    params = SamplingParams(temperature=temperature)
+    teacher = make_teacher("oracle:reference", task, tokenizer, tiny_model, params,
+                           load_model=None, tries=1)  # fmt: skip
+    for rec, t in zip(recs, teacher.solve(recs), strict=True):
+        prompt = encode_prompt(tokenizer, rec.prompt, task.instruction)
+        ids = t.token_ids.tolist()
+        expected = manual_logprobs(tiny_model, prompt, ids, temperature)
+        torch.testing.assert_close(t.logprobs, expected, atol=1e-4, rtol=0)
+        if temperature != 1.0:  # not the model's own distribution
+            assert not torch.allclose(t.logprobs, manual_logprobs(tiny_model, prompt, ids), atol=1e-3)
+    key = teacher_key(teacher, "echo")
+    assert key.sampling["temperature"] == temperature and key.model.startswith("oracle:")
+    other = make_teacher("oracle:reference", task, tokenizer, tiny_model,
+                         SamplingParams(temperature=temperature + 0.1), load_model=None, tries=1)  # fmt: skip
+    assert teacher_key(other, "echo").digest != key.digest  # settings are part of the key
+
+
+def test_teacher_specs_are_checked(tokenizer, tiny_model, task):
+    with pytest.raises(ValueError, match="unknown teacher 'gpt'"):
+        make_teacher("gpt", task, tokenizer, None, SamplingParams(), load_model=None, tries=1)
+    with pytest.raises(ValueError, match="needs the reference"):
+        make_teacher("oracle:reference", task, tokenizer, None, SamplingParams(),
+                     load_model=None, tries=1)  # fmt: skip
+    with pytest.raises(ValueError, match="served model"):
+        make_teacher("http:http://127.0.0.1:9/v1", task, tokenizer, None, SamplingParams(),
+                     load_model=None, tries=1)  # fmt: skip
 
 
 def test_oracle_masks_tool_results_of_a_multihop_trace(tokenizer, tiny_model):
     task = get_task("multihop")
     rec = task.records("train")[0]
-    (t,) = OracleTeacher(task, tokenizer, tiny_model).solve([rec])
+    (t,) = OracleTeacher(task, tokenizer, tiny_model).solve([rec])  # scored by a model
     trace = task.trace(rec)
     assert trace.count("<result>") == 4 and t.text == trace
     expected_ids, expected_mask = [], []
@@ -132,18 +165,14 @@ class ParityTask(EchoTask):
         return float(len(completion) > 0 and len(completion) % 2 == 0)
 
 
-def test_hf_teacher_keeps_a_verified_sample_with_its_own_logprobs(tokenizer, tiny_model):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_teacher_keeps_a_verified_sample_with_its_sampling_logprobs(
+    tokenizer, tiny_model, temperature
+):
     task = ParityTask(n=4)
     recs = task.records("train")
-    teacher = HFTeacher(
-        tiny_model,
-        tokenizer,
-        task,
-        tokenizer,
-        SamplingParams(max_new_tokens=5),
-        tries=6,
-        per_round=2,
-    )
+    params = SamplingParams(max_new_tokens=5, temperature=temperature)
+    teacher = HFTeacher(tiny_model, tokenizer, task, tokenizer, params, tries=6, per_round=2)
     out = teacher.solve(recs)
     solved = [t for t in out if t is not None]
     assert solved, "with 6 tries at ~1/2 each, some prompt must be solved"
@@ -153,10 +182,12 @@ def test_hf_teacher_keeps_a_verified_sample_with_its_own_logprobs(tokenizer, tin
         assert t.prompt_id == rec.id and task.correct(t.text, rec) and 1 <= t.tries <= 6
         assert tokenizer.decode(t.token_ids.tolist(), skip_special_tokens=True) == t.text
         prompt = encode_prompt(tokenizer, rec.prompt, task.instruction)
-        torch.testing.assert_close(
-            t.logprobs, manual_logprobs(tiny_model, prompt, t.token_ids.tolist()), atol=1e-4, rtol=0
-        )
-    assert teacher_key(teacher, "parity").model.startswith("hf:")
+        ids = t.token_ids.tolist()
+        # pi_gt of the distribution the teacher sampled from: its own at that temperature
+        expected = manual_logprobs(tiny_model, prompt, ids, temperature)
+        torch.testing.assert_close(t.logprobs, expected, atol=1e-4, rtol=0)
+    key = teacher_key(teacher, "parity")
+    assert key.model.startswith("hf:") and key.sampling["sampling"]["temperature"] == temperature
 
 
 def test_hf_teacher_with_another_vocabulary_is_refused(tokenizer, tiny_model, task):

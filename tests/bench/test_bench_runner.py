@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from anchor_rl.bench.runner import load_suite, plan, run_suite, suite_names
+from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
 from anchor_rl.bench.summary import markdown_table, run_figures, summarise
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
@@ -101,7 +101,7 @@ def test_plan_fails_before_any_run_naming_the_run_and_field(micro, tmp_path) -> 
 def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     out = tmp_path / "out"
     suite = load_suite(str(micro))
-    result = run_suite(suite, out, echo=lambda _: None)
+    result = run_suite(suite, BenchArgs(out, echo=lambda _: None))
     summary = json.loads(result["summary_json"].read_text())
     assert [g["label"] for g in summary["groups"]] == ["grpo+short", "rloo+short"]
     assert {r["label"] for r in summary["runs"]} == {"grpo+short", "rloo+short"}
@@ -117,11 +117,11 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     # re-running the same command skips finished runs
     metrics = out / "grpo+short" / "seed0" / "metrics.jsonl"
     before = metrics.stat().st_mtime_ns
-    run_suite(suite, out, echo=lambda _: None)
+    run_suite(suite, BenchArgs(out, echo=lambda _: None))
     assert metrics.stat().st_mtime_ns == before
     # ... and a different config in the same directory is refused, not silently reused
     with pytest.raises(ConfigError, match="different config"):
-        run_suite(suite, out, overrides=["optim.lr=0.5"], echo=lambda _: None)
+        run_suite(suite, BenchArgs(out, overrides=["optim.lr=0.5"], echo=lambda _: None))
 
 
 @pytest.mark.slow

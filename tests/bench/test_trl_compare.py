@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from anchor_rl.bench.runner import BenchArgs
 from anchor_rl.bench.trl_compare import (
     INSTALL_HINT,
     grpo_config_kwargs,
@@ -174,7 +175,7 @@ def test_one_step_of_both_trainers(tmp_path) -> None:
     trl = pytest.importorskip("trl", reason="TRL is in the `compare` extra, not installed here")
     from anchor_rl.bench.trl_compare import run_trl_suite
 
-    result = run_trl_suite(tmp_path, seeds=[0], profile="quick", echo=lambda _: None)
+    result = run_trl_suite(BenchArgs(tmp_path, seeds=[0], profile="quick", echo=lambda _: None))
     payload = json.loads(result["summary_json"].read_text())
     assert payload["trl_version"] == trl.__version__
     for framework in ("anchor-rl", "trl"):

@@ -49,9 +49,9 @@ def test_the_same_seeded_run_through_another_engine(
 ) -> None:
     overrides = [*tiny, "steps=3", "optim.lr=1e-3", *extra]
     # each run its own anchor store, so each samples its anchors and refreshes itself
-    local_cfg = load_config(preset, [*overrides, f"pvpo.store={tmp_path}/hf.db"])
-    local = train(start_run(local_cfg, tmp_path / "hf"))
-    remote_cfg = [*overrides, f"pvpo.store={tmp_path}/sub.db", "rollout.engine=subprocess"]
+    store = (lambda name: [f"pvpo.store={tmp_path}/{name}.db"]) if extra else (lambda name: [])
+    local = train(start_run(load_config(preset, [*overrides, *store("hf")]), tmp_path / "hf"))
+    remote_cfg = [*overrides, *store("sub"), "rollout.engine=subprocess"]
     remote = start_run(load_config(preset, remote_cfg), tmp_path / "sub")
     assert isinstance(remote.engine, subprocess_engine.SubprocessEngine)
     remote = train(remote)

@@ -173,3 +173,76 @@ def test_docs_list_every_field_with_its_default() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
     missing = [key for key, default, _ in describe() if f"| `{key}` | `{default}` |" not in doc]
     assert missing == []
+
+
+# Every combination the config refuses: (the docs table's first column, preset, overrides,
+# part of the one-line message). docs/training.md, "Refused combinations", lists each row.
+REFUSED = [
+    ("`critic.*` without a critic", "grpo", ["critic.lr=1e-3"], "critic.lr has no effect"),
+    ("`v05.*` without V0.5", "grpo", ["v05.k_max=8"], "v05.k_max has no effect"),
+    ("`v05.probe_every` without V0.5", "grpo", ["v05.probe_every=5"], "v05.probe_every has no effect"),
+    ("`pvpo.*` without anchors", "grpo", ["pvpo.m=4"], "pvpo.m has no effect: the run presamples no anchors"),
+    ("group-sampling `pvpo.*` with only V0.5's anchor prior", "v05", ["pvpo.teacher=none"],
+     "uses only pvpo.m, pvpo.store and pvpo.presample_batch"),
+    ("V0.5's anchor prior with `pvpo.refresh_every`", "v05", ["pvpo.refresh_every=10"], "set pvpo.refresh_every=0"),
+    ("`rollout.n=1` with a group baseline", "grpo", ["rollout.n=1"], "every advantage is 0"),
+    ("`filter.kind=dynamic` with a per-prompt baseline", "pvpo", ["filter.kind=dynamic"],
+     "filter.kind=dynamic with advantage.estimator=pvpo"),
+    ("`filter.max_rounds` without dynamic sampling", "grpo", ["filter.max_rounds=5"], "filter.max_rounds has no effect"),
+    ("`advantage.gamma` without token returns", "grpo", ["advantage.gamma=0.9"], "advantage.gamma has no effect"),
+    ("`ref_model` that nothing reads", "grpo", ["kl.coef=0", "kl.track=false", "ref_model=random:tiny"],
+     "ref_model has no effect"),
+    ("`rollout.budget=adaptive` without V0.5", "grpo", ["rollout.budget=adaptive"], 'needs advantage.estimator="v05"'),
+    ("`rollout.n` above `v05.k_max`", "v05", ["rollout.n=20"], "exceeds v05.k_max = 16"),
+    ("empty `v05.reward_range`", "v05", ["v05.reward_range=[1, 0]"], "lo < hi"),
+    ("overlong punishment outside `v05.reward_range`", "v05", ["reward.overlong_cache=0.2"],
+     "set v05.reward_range=[-1, 1.0]"),
+    ("`v05.cost`, `v05.top_up_rounds` with a fixed budget", "v05", ["rollout.budget=fixed", "v05.cost=0.01"],
+     "v05.cost has no effect"),
+    ("`v05.knn_*` without the knn base", "v05", ["v05.knn_top_k=4"], "has no knn base"),
+    ("`v05.history_*` without the history layer", "v05", ["v05.prior=anchor", "v05.history_gamma=0.9"],
+     "has no history layer"),
+    ("`v05.probe_*` with the probe off", "v05", ["v05.probe_prompts=8"], "switches the probe off"),
+    ("`pvpo.teacher_model` without an http teacher", "pvpo", ["pvpo.teacher_model=big"],
+     "pvpo.teacher_model has no effect"),
+    ("`pvpo.teacher_tries` for a teacher that does not sample", "pvpo", ["pvpo.teacher_tries=2"], "does not sample"),
+    ("teacher settings without group sampling", "pvpo", ["filter.kind=none", "pvpo.keep_unsolved=true"],
+     "belong to group sampling"),
+    ("`pvpo.refresh_mode` without refreshes", "pvpo", ["pvpo.refresh_mode=policy"], "never refreshes"),
+    ("`pvpo.teacher=oracle:reference` with `rollout.top_p < 1`", "pvpo",
+     ["pvpo.teacher=oracle:reference", "rollout.top_p=0.9"], "scores the trace without a nucleus"),
+    ("an `http:` teacher without `pvpo.teacher_model`", "pvpo", ["pvpo.teacher=http:http://127.0.0.1:9/v1"],
+     "needs pvpo.teacher_model"),
+    ("`critic.lam_alpha`, `critic.lam_min` without the adaptive lambda", "ppo", ["critic.lam_alpha=0.1"],
+     "length-adaptive lambda"),
+    ("`critic.pretrain_ev_threshold` without value pretraining", "ppo", ["critic.pretrain_ev_threshold=0.5"],
+     "switches value pretraining off"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("combination", "preset", "overrides", "message"), REFUSED)
+def test_each_refused_combination_names_the_field_and_the_fix(
+    combination, preset, overrides, message
+) -> None:
+    load_config(preset)  # the preset alone is fine
+    with pytest.raises(ConfigError) as error:
+        load_config(preset, overrides)
+    lines = str(error.value).splitlines()
+    assert lines[0] == "invalid config:" and len(lines) == 2  # one line, naming field and fix
+    assert message in lines[1]
+
+
+def test_the_docs_list_every_refused_combination() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    section = doc.split("## Refused combinations", 1)[1].split("\n## ", 1)[0]
+    missing = [c for c, *_ in REFUSED if f"| {c} |" not in section]
+    assert missing == []
+
+
+def test_a_preset_writing_a_default_out_is_not_refused() -> None:
+    # the pvpo preset writes pvpo.teacher = "oracle" (the default) out; its static-V ablation
+    # has no group sampling, and that value means nothing there, but it is no user's choice
+    cfg = load_config("pvpo", ["filter.kind=none"])
+    assert cfg.pvpo.teacher == "oracle" and cfg.filter.kind == "none"

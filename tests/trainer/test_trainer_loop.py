@@ -56,8 +56,12 @@ def test_one_step_of_every_preset_writes_all_metrics(preset, parity, tiny, tmp_p
     assert _tb_scalar_tags(run.run_dir) >= STEP_KEYS | EVAL_KEYS
     assert (run.run_dir / "summary.json").is_file()
     assert len(list_checkpoints(run.run_dir)) == 1  # the final step is always saved
-    if preset in {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}:
-        assert "loss/kl" in records[1] or cfg.kl.in_reward
+    # the KL term is where the preset puts it: a loss term (grpo), in the reward (rloo,
+    # reinforce_pp*: no loss term), or nowhere (dapo, drgrpo); kl.track logs it in every case
+    in_loss = preset == "grpo"
+    assert ("loss/kl" in records[1]) == in_loss
+    assert (cfg.kl.coef > 0) == (preset in {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})
+    assert "kl/ref" in records[1] and records[1]["kl/ref"] >= 0
 
 
 @pytest.mark.slow

@@ -285,7 +285,7 @@ def test_build_prior_composes_the_named_priors() -> None:
     ("overrides", "message"),
     [
         (["rollout.budget=adaptive"], 'needs advantage.estimator="v05"'),
-        (["v05.probe_every=5"], 'v05.probe_every needs advantage.estimator="v05"'),
+        (["v05.probe_every=5"], "v05.probe_every has no effect: advantage.estimator=grpo is not"),
         (["advantage.estimator=v05", "rollout.n=20"], "exceeds v05.k_max = 16"),
         (["advantage.estimator=v05", "v05.reward_range=[1, 0]"], "lo < hi"),
         (["advantage.estimator=v05", "pvpo.refresh_every=10"], "pvpo.refresh_every=0"),

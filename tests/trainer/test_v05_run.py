@@ -93,8 +93,8 @@ def test_probe_measures_and_never_changes_training(parity, v05_tiny, tmp_path) -
 
 
 @pytest.mark.slow
-def test_knn_prior_runs_on_the_policys_embeddings(parity, v05_tiny, tmp_path) -> None:
-    cfg = load_config("v05", [*v05_tiny, "steps=2", "eval.every=0", "v05.prior=knn", *PROBE])
+def test_knn_prior_runs_on_the_policys_embeddings(parity, tiny, tmp_path) -> None:
+    cfg = load_config("v05", [*tiny, "steps=2", "eval.every=0", "v05.prior=knn", *PROBE])
     run = train(start_run(cfg, tmp_path / "knn"))
     assert len(run.components["v05"].prior) == 4  # two steps of two prompts in its context
     probes = read_probe(run.run_dir)

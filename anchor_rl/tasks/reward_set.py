@@ -1,0 +1,126 @@
+"""A run's own reward: the task's verifier and TRL-convention reward functions, weighted.
+
+A new reward does not need a new task: :class:`RewardedTask` wraps any task and replaces
+its ``reward`` by ``task_weight * task.reward + sum_i w_i * f_i``, where each ``f_i`` has
+TRL's signature ``f(prompts, completions, **columns) -> list[float | None]`` (a built-in
+name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS` or an importable ``module:function``).
+The columns are ``answer`` (the record's gold answer), ``prompt_id`` and the record's
+``meta`` fields. A ``None`` reward, a raising call and a timed-out one add nothing for that
+completion (the failures are counted, :attr:`RewardedTask.verifiers`).
+
+What "correct" means does not change: ``correct`` stays the task's own verdict, the
+accuracy every metric and PVPO's group sampling read. The training reward, the anchors
+presampled under it and ``eval/reward`` use the weighted sum; the store key of anchors
+carries :meth:`RewardedTask.reward_spec`, so anchors presampled under another reward are
+never reused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from anchor_rl.rewards.functions import REWARD_FUNCTIONS, RewardFunction
+from anchor_rl.rewards.safe import SafeVerifier
+from anchor_rl.tasks.base import Record, Split, Task
+
+VERIFIER_TIMEOUT = 10.0
+"""Seconds a reward function may take on one completion before it counts as failed."""
+
+
+def resolve_reward_function(name: str) -> RewardFunction:
+    """A built-in reward function by name, or ``module:function`` imported; ValueError naming
+    the built-in ones otherwise."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(
+            f"unknown reward function {name!r}; built-in: {', '.join(sorted(REWARD_FUNCTIONS))}, "
+            "or module:function"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward function {name!r} cannot be loaded: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r} is not callable")
+    return fn
+
+
+class RewardedTask(Task):
+    """``task`` with its reward replaced by a weighted sum (see the module docstring).
+
+    Args:
+        task: the task whose records, verifier (``correct``), trace, tools and stops are used.
+        functions: reward function names (:func:`resolve_reward_function`).
+        weights: one per function (TRL's ``reward_weights``); None: 1 each.
+        task_weight: the weight of ``task.reward``; 0 leaves the functions alone.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        functions: Sequence[str],
+        weights: Sequence[float] | None = None,
+        task_weight: float = 1.0,
+    ) -> None:
+        super().__init__()
+        weights = [1.0] * len(functions) if weights is None else list(weights)
+        if len(weights) != len(functions):
+            raise ValueError(f"{len(weights)} weights for {len(functions)} reward functions")
+        if not functions and task_weight == 0:
+            raise ValueError("no reward: task_weight is 0 and no reward function is given")
+        self.task, self.functions, self.weights = task, list(functions), weights
+        self.task_weight = float(task_weight)
+        self.verifiers: dict[str, SafeVerifier] = {
+            name: SafeVerifier(resolve_reward_function(name), on_error=None,
+                               timeout=VERIFIER_TIMEOUT, name=name)
+            for name in dict.fromkeys(functions)
+        }  # fmt: skip
+        self.name = task.name
+        self.instruction = task.instruction
+        self.tools = task.tools
+
+    def records(self, split: Split) -> list[Record]:
+        return self.task.records(split)
+
+    def trace(self, record: Record) -> str:
+        return self.task.trace(record)
+
+    def correct(self, completion: str, record: Record) -> bool:
+        """The task's own verdict (the accuracy metric), whatever the reward."""
+        return self.task.correct(completion, record)
+
+    def reward(self, completion: str, record: Record) -> float:
+        total = self.task_weight * self.task.reward(completion, record) if self.task_weight else 0.0
+        columns: dict[str, Any] = {"answer": [record.answer], "prompt_id": [record.id]}
+        columns |= {key: [value] for key, value in record.meta.items() if key not in columns}
+        for name, weight in zip(self.functions, self.weights, strict=True):
+            values = self.verifiers[name].map([record.prompt], [completion], **columns)
+            if values[0] is not None:
+                total += weight * float(values[0])
+        return total
+
+    @property
+    def stop(self) -> list[str]:
+        return self.task.stop
+
+    def reward_spec(self) -> dict[str, Any]:
+        return {"functions": self.functions, "weights": self.weights, "task_weight": self.task_weight}
+
+    def failures(self) -> dict[str, int]:
+        """Reward-function calls that raised or timed out, per function."""
+        return {name: v.failures + v.timeouts for name, v in self.verifiers.items()}
+
+
+def with_rewards(
+    task: Task, functions: Sequence[str], weights: Sequence[float] | None, task_weight: float
+) -> Task:
+    """``task`` itself when its reward is unchanged (no function, weight 1), else a
+    :class:`RewardedTask`."""
+    if not functions and task_weight == 1.0:
+        return task
+    return RewardedTask(task, functions, weights, task_weight)
+
