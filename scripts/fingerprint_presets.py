@@ -72,25 +72,6 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _parity_task():
-    from anchor_rl.tasks.base import Record, Task
-
-    class ParityTask(Task):
-        name = "parity"
-
-        def records(self, split):
-            offset = 0 if split == "train" else 100
-            return [Record(f"{split}-{i}", f"q{i + offset}", "even") for i in range(8)]
-
-        def reward(self, completion, record):
-            return float(bool(completion) and ord(completion[0]) % 2 == 0)
-
-        def trace(self, record):
-            return "0"
-
-    return ParityTask
-
-
 def _clean(value):
     if isinstance(value, float) and math.isnan(value):
         return "nan"
@@ -107,7 +88,10 @@ def fingerprint(names: list[str]) -> dict[str, dict]:
     from anchor_rl.trainer.loop import train
     from anchor_rl.trainer.run import start_run
 
-    tasks.TASKS["parity"] = _parity_task()
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from toy_tasks import ParityTask
+
+    tasks.TASKS["parity"] = ParityTask
     out = {}
     for name in names:
         preset, extra = VARIANTS[name]

@@ -12,7 +12,7 @@ import anchor_rl
 ROOT = Path(anchor_rl.__file__).parent
 
 LAYERS = [
-    {"batch", "algos"},
+    {"batch", "registry", "algos"},
     {"rewards"},
     {"tools"},
     {"tasks"},

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.algos.gae import gae
+from anchor_rl.registry import Registry
 
 __all__ = [
     "ESTIMATORS",
@@ -67,7 +68,7 @@ class Estimator:
     token_level: bool = False
 
 
-ESTIMATORS: dict[str, Estimator] = {}
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 """Registered estimators by name, in registration order."""
 
 
@@ -84,9 +85,7 @@ def register_advantage(
         raise ValueError(f"estimator {name!r} needs distinct input names, got {inputs}")
 
     def decorate(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        if name in ESTIMATORS:
-            raise ValueError(f"an advantage estimator named {name!r} is already registered")
-        ESTIMATORS[name] = Estimator(fn, tuple(inputs), token_level)
+        ESTIMATORS.add(name, Estimator(fn, tuple(inputs), token_level))
         return fn
 
     return decorate

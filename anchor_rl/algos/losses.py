@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from anchor_rl.registry import Registry
+
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
@@ -47,20 +49,13 @@ PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 tensor with gradient, metrics detached 0-d tensors (logged as ``policy/NAME``). A loss that
 has no use for a setting accepts it and ignores it."""
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 """Registered policy losses by name."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Register the decorated function as policy loss ``name`` (returned unchanged)."""
-
-    def decorate(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"a policy loss named {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.register(name)
 
 
 def check_bt(mask: Tensor, **tensors: Tensor) -> None:

@@ -41,13 +41,8 @@ __all__ = [
 
 
 def get_estimator(name: str) -> Estimator:
-    """The estimator registered as ``name``; KeyError listing the valid names otherwise."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown advantage estimator {name!r}; valid names: {', '.join(ESTIMATORS)}"
-        ) from None
+    """The estimator registered as ``name``; KeyError listing the registered names otherwise."""
+    return ESTIMATORS.lookup(name)
 
 
 def get_advantage(name: str) -> Any:
@@ -56,13 +51,8 @@ def get_advantage(name: str) -> Any:
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss registered as ``name``; KeyError listing the valid names otherwise."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown policy loss {name!r}; valid names: {', '.join(POLICY_LOSSES)}"
-        ) from None
+    """The policy loss registered as ``name``; KeyError listing the registered names otherwise."""
+    return POLICY_LOSSES.lookup(name)
 
 
 def compute_advantage(name: str, **inputs: Any) -> Tensor:

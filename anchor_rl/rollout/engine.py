@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.registry import Registry
 from anchor_rl.rollout.agent import Response, run_agent
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
@@ -101,30 +102,21 @@ class Engine(Protocol):
 
 
 EngineFactory = Callable[[PreTrainedModel, PreTrainedTokenizerBase], Engine]
-ENGINES: dict[str, EngineFactory] = {}
+ENGINES: Registry[EngineFactory] = Registry("engine")
 """Registered engine factories by name: ``factory(model, tokenizer) -> Engine``, given the
 learner's live model (an engine in another process copies its config and weights)."""
 
 
 def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
     """Register the decorated factory as engine ``name`` (returned unchanged)."""
-
-    def decorate(factory: EngineFactory) -> EngineFactory:
-        if name in ENGINES:
-            raise ValueError(f"an engine named {name!r} is already registered")
-        ENGINES[name] = factory
-        return factory
-
-    return decorate
+    return ENGINES.register(name)
 
 
 def make_engine(
     name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> Engine:
     """The engine registered as ``name``, built on ``model``; KeyError listing the names."""
-    if name not in ENGINES:
-        raise KeyError(f"unknown engine {name!r}; registered: {', '.join(ENGINES)}")
-    return ENGINES[name](model, tokenizer)
+    return ENGINES.lookup(name)(model, tokenizer)
 
 
 def pack(

@@ -137,15 +137,17 @@ def _registered(kind: str, name: str) -> str:
     ``component``; the registries are imported here, at validation, so importing the config
     needs no torch."""
     if kind == "engine":
-        from anchor_rl.rollout.engine import ENGINES as names
+        from anchor_rl.rollout.engine import ENGINES as registry
     elif kind == "component":
-        from anchor_rl.trainer.registry import COMPONENTS as names
+        from anchor_rl.trainer.registry import COMPONENTS as registry
+    elif kind == "estimator":
+        from anchor_rl.algos.registry import ESTIMATORS as registry
     else:
-        from anchor_rl.algos import registry
-
-        names = registry.ESTIMATORS if kind == "estimator" else registry.POLICY_LOSSES
-    if name not in names:
-        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(names)}")
+        from anchor_rl.algos.registry import POLICY_LOSSES as registry
+    try:
+        registry.lookup(name)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
     return name
 
 
@@ -384,8 +386,11 @@ class TrainConfig(_Section):
     @field_validator("components")
     @classmethod
     def _known_components(cls, value: list[str]) -> list[str]:
-        for name in value:
-            _registered("component", name)
+        try:
+            for name in value:
+                _registered("component", name)
+        except ValueError as exc:
+            raise ValueError(f"components: {exc} (a plugin registers it)") from None
         if len(set(value)) != len(value):
             raise ValueError(f"components lists a name twice: {value}")
         return value

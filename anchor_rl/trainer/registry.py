@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from anchor_rl.registry import Registry
+
 ComponentFactory = Callable[..., Any]
 """``factory(setup, **component_args[NAME]) -> Component``: a Component class or a function."""
 
-COMPONENTS: dict[str, ComponentFactory] = {}
+COMPONENTS: Registry[ComponentFactory] = Registry("component")
 """Registered components, built after the built-in ones (PVPO, V0.5 and the critic follow
 from the estimator's inputs, see ``run.build_components``)."""
 
@@ -20,11 +22,4 @@ from the estimator's inputs, see ``run.build_components``)."""
 def register_component(name: str) -> Callable[[ComponentFactory], ComponentFactory]:
     """Register the decorated factory (a Component class or a function returning one) as
     ``name``; returned unchanged."""
-
-    def decorate(factory: ComponentFactory) -> ComponentFactory:
-        if name in COMPONENTS:
-            raise ValueError(f"a component named {name!r} is already registered")
-        COMPONENTS[name] = factory
-        return factory
-
-    return decorate
+    return COMPONENTS.register(name)

@@ -39,7 +39,7 @@ def test_names():
 
 def test_get_advantage_unknown_name_lists_valid_names():
     assert registry.get_advantage("rloo") is A.rloo
-    with pytest.raises(KeyError, match="valid names: grpo, drgrpo, rloo, pvpo"):
+    with pytest.raises(KeyError, match="registered: grpo, drgrpo, rloo, pvpo"):
         registry.get_advantage("ppo")
 
 
@@ -98,5 +98,5 @@ def test_a_registered_estimator_is_callable_by_name_and_names_are_unique():
 
 def test_unknown_policy_loss_lists_the_registered_ones():
     assert registry.get_policy_loss("ppo") is losses.policy_loss
-    with pytest.raises(KeyError, match="valid names: ppo"):
+    with pytest.raises(KeyError, match="registered: ppo"):
         registry.get_policy_loss("gspo-typo")
