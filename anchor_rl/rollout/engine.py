@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -101,10 +101,12 @@ class Engine(Protocol):
         ...
 
 
-EngineFactory = Callable[[PreTrainedModel, PreTrainedTokenizerBase], Engine]
+EngineFactory = Callable[..., Engine]
 ENGINES: Registry[EngineFactory] = Registry("engine")
-"""Registered engine factories by name: ``factory(model, tokenizer) -> Engine``, given the
-learner's live model (an engine in another process copies its config and weights)."""
+"""Registered engine factories by name: ``factory(model, tokenizer, **options) -> Engine``,
+given the live model it samples for (the learner's policy, or a reference to presample;
+an engine in another process copies its config and weights) and the engine's own options
+(the config's ``rollout.engine_args``)."""
 
 
 def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
@@ -113,10 +115,11 @@ def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
 
 
 def make_engine(
-    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options: Any
 ) -> Engine:
-    """The engine registered as ``name``, built on ``model``; KeyError listing the names."""
-    return ENGINES.lookup(name)(model, tokenizer)
+    """The engine registered as ``name``, built on ``model`` with its ``options``; KeyError
+    listing the registered names."""
+    return ENGINES.lookup(name)(model, tokenizer, **options)
 
 
 def pack(
@@ -215,6 +218,9 @@ class HFEngine:
 
 
 @register_engine("hf")
-def _hf_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Engine:
-    """The in-process engine on the learner's own model (no copy: updates are seen at once)."""
-    return HFEngine(model, tokenizer)
+def _hf_engine(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch: int = 256
+) -> Engine:
+    """The in-process engine on the learner's own model (no copy: updates are seen at once);
+    option ``max_batch``."""
+    return HFEngine(model, tokenizer, max_batch=max_batch)

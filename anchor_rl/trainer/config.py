@@ -68,11 +68,31 @@ class RolloutConfig(_Section):
     """The registered rollout engine (anchor_rl.rollout.engine.register_engine): `hf` samples in
     this process with the policy's own weights. Every training, presampling and evaluation
     rollout goes through it; each response is seeded by (seed, stream, prompt, sample index)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Options of the engine's factory (`rollout.engine_args.max_batch=64` for `hf`: responses
+    generated together)."""
 
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return _registered("engine", value)
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> RolloutConfig:
+        import inspect
+
+        from anchor_rl.rollout.engine import ENGINES
+
+        signature = inspect.signature(ENGINES.lookup(self.engine))
+        try:
+            signature.bind(None, None, **self.engine_args)
+        except TypeError as exc:
+            options = [p for p in list(signature.parameters)[2:]]
+            raise ValueError(
+                f"rollout.engine_args: {exc} (the {self.engine!r} engine takes "
+                f"{', '.join(options) or 'no options'})"
+            ) from None
+        return self
 
 
 class RewardConfig(_Section):
@@ -694,7 +714,9 @@ def apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any]) -> dict
     known = set(field_paths())
     out = _deep_copy(table)
     for key, value in overrides.items():
-        if key not in known and not key.startswith(("task_args.", "component_args.")):
+        if key not in known and not key.startswith(
+            ("task_args.", "component_args.", "rollout.engine_args.")
+        ):
             close = difflib.get_close_matches(key, known, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}")

@@ -262,7 +262,7 @@ def _assemble(
         records=task.records("train")[: cfg.train_prompts],
         policy=policy,
         tokenizer=tokenizer,
-        engine=make_engine(cfg.rollout.engine, policy, tokenizer),
+        engine=make_engine(cfg.rollout.engine, policy, tokenizer, **cfg.rollout.engine_args),
         generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
         resuming=resuming,
     )
