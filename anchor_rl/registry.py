@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from anchor_rl.errors import UnknownNameError
+
 T = TypeVar("T")
 
 
@@ -42,6 +44,6 @@ class Registry(dict[str, T], Generic[T]):
         try:
             return self[name]
         except KeyError:
-            raise KeyError(
+            raise UnknownNameError(
                 f"unknown {self.kind} {name!r}; registered: {', '.join(self) or 'none'}"
             ) from None

@@ -44,7 +44,10 @@ COMMON = [
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo", []),
-    "grpo-minibatches": ("grpo", ["optim.epochs=2", "optim.mini_batches=2", "optim.micro_batch_size=3"]),
+    "grpo-minibatches": (
+        "grpo",
+        ["optim.epochs=2", "optim.mini_batches=2", "optim.micro_batch_size=3"],
+    ),
     "drgrpo": ("drgrpo", []),
     "dapo": ("dapo", []),
     "rloo": ("rloo", []),
@@ -89,7 +92,7 @@ def fingerprint(names: list[str]) -> dict[str, dict]:
     from anchor_rl.trainer.run import start_run
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from toy_tasks import ParityTask
+    from helpers import ParityTask
 
     tasks.TASKS["parity"] = ParityTask
     out = {}
@@ -102,15 +105,24 @@ def fingerprint(names: list[str]) -> dict[str, dict]:
             cfg = load_config(preset, [*COMMON, *store, *extra])
             run = train(start_run(cfg, Path(tmp) / "run"))
             metrics = [
-                {k: _clean(v) for k, v in r.items() if not k.startswith("time/") and "seconds" not in k}
+                {
+                    k: _clean(v)
+                    for k, v in r.items()
+                    if not k.startswith("time/") and "seconds" not in k
+                }
                 for r in read_metrics(run.run_dir)
             ]
             digest = hashlib.sha256()
             for key, tensor in sorted(run.policy.state_dict().items()):
                 digest.update(key.encode())
-                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(
+                    tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                )
             out[name] = {"metrics": metrics, "weights_sha256": digest.hexdigest()}
-        print(f"{name}: {len(metrics)} records, weights {out[name]['weights_sha256'][:12]}", flush=True)
+        print(
+            f"{name}: {len(metrics)} records, weights {out[name]['weights_sha256'][:12]}",
+            flush=True,
+        )
     return out
 
 
@@ -144,7 +156,10 @@ def compare(before: dict, after: dict) -> int:
         if moved:
             notes.append(f"values moved: {', '.join(sorted(moved))}")
         if dropped:
-            notes.append("no longer logged: " + ", ".join(f"{k} (was {sorted(v)})" for k, v in sorted(dropped.items())))
+            notes.append(
+                "no longer logged: "
+                + ", ".join(f"{k} (was {sorted(v)})" for k, v in sorted(dropped.items()))
+            )
         if added:
             notes.append("newly logged: " + ", ".join(sorted(added)))
         if moved or not weights:

@@ -12,13 +12,13 @@ import anchor_rl
 ROOT = Path(anchor_rl.__file__).parent
 
 LAYERS = [
-    {"batch", "registry", "algos"},
+    {"batch", "errors", "registry", "progress", "algos"},
     {"rewards"},
     {"tools"},
     {"tasks"},
     {"models"},
     {"rollout"},
-    {"anchors"},
+    {"anchors", "cluster", "serve"},
     {"trainer"},
     {"bench"},
     {"integrations"},

@@ -24,7 +24,18 @@ anchors_app = typer.Typer(
 
 ModelOpt = Annotated[
     str,
-    typer.Option("--model", help="Reference policy: a model directory, sft:SIZE or random:SIZE."),
+    typer.Option(
+        "--model",
+        help="Reference policy: a model directory, sft:SIZE, random:SIZE or http:URL[#MODEL] "
+        "(a served model, e.g. `anchor-rl serve`).",
+    ),
+]
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Tokenizer directory for an http: model whose server does not serve its tokenizer "
+        "(anchor-rl serve does)."
+    ),
 ]
 TaskOpt = Annotated[str, typer.Option(help="Task name (see anchor_rl.tasks.get_task).")]
 TaskKwargsOpt = Annotated[
@@ -49,8 +60,9 @@ DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
 
 @dataclass
 class _Setup:
-    model: Any
+    model: Any  # None for a served (http:) model
     tokenizer: Any
+    engine: Any
     task: Task
     task_name: str
     task_id: str
@@ -74,12 +86,15 @@ def _setup(
     seed: int,
     device: str,
     db: Path | None,
+    tokenizer_dir: Path | None = None,
 ) -> _Setup:
     from anchor_rl.anchors.keys import task_identity
     from anchor_rl.anchors.presample import presample_key, task_params
+    from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.commands import parse_task_kwargs
     from anchor_rl.models.sft import cache_root
     from anchor_rl.models.spec import frozen, load_spec
+    from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
 
@@ -93,10 +108,6 @@ def _setup(
             f"unknown split {split!r}; choose train or test", param_hint="--split"
         )
     records = task_obj.records(split)[:limit]
-    try:
-        policy, tokenizer = load_spec(model, task, kwargs, seed, device)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from exc
     params = task_params(
         SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, max_turns=max_turns
@@ -104,10 +115,22 @@ def _setup(
         task_obj,
     )
     task_id = task_identity(task, task_obj, kwargs)
-    key = presample_key(frozen(policy), tokenizer, params, task_id)
+    if model.startswith("http:"):
+        engine = _served(model, tokenizer_dir)
+        policy, tokenizer = None, engine.tokenizer
+        key = _served_key(engine, params, task_id)
+    else:
+        try:
+            policy, tokenizer = load_spec(model, task, kwargs, seed, device)
+        except (ValueError, AnchorRLError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from exc
+        policy = frozen(policy)
+        engine = make_engine("hf", policy, tokenizer)
+        key = presample_key(policy, tokenizer, params, task_id)
     return _Setup(
         policy,
         tokenizer,
+        engine,
         task_obj,
         task,
         task_id,
@@ -116,6 +139,48 @@ def _setup(
         params,
         key,
         db or cache_root() / "anchors.db",
+    )
+
+
+def _served(model: str, tokenizer_dir: Path | None) -> Any:
+    """The ``http`` engine of an ``http:URL[#MODEL]`` spec (the tokenizer from ``tokenizer_dir``,
+    else the one the server serves)."""
+    from anchor_rl.rollout.http import connect, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        return connect(model, tokenizer)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+
+
+def _served_key(engine: Any, params: SamplingParams, task_id: str) -> AnchorKey:
+    """The presample key of a served model. Its model fingerprint is the content fingerprint
+    the server reports (``anchor-rl serve``: ``fingerprint_model`` of its weights, so the key
+    is the one an in-process presample of the same weights has), else the served model's
+    name: a server that swaps weights under one name is then not detected."""
+    from anchor_rl.anchors.keys import (
+        AnchorKey,
+        canonical_json,
+        fingerprint_tokenizer,
+        sampling_settings,
+    )
+
+    info = engine.info(refresh=True)
+    tokenizer = fingerprint_tokenizer(engine.tokenizer)
+    if info.tokenizer_fingerprint is not None and info.tokenizer_fingerprint != tokenizer:
+        raise typer.BadParameter(
+            f"the server {engine.url} serves another tokenizer than the one given; the anchors "
+            "would be filed under the wrong tokenizer",
+            param_hint="--tokenizer",
+        )
+    model = info.fingerprint or "http:" + canonical_json({"model": info.model})
+    return AnchorKey(
+        model=model,
+        tokenizer=tokenizer,
+        sampling=sampling_settings(params),
+        task=task_id,
+        tag="presample",
     )
 
 
@@ -162,6 +227,7 @@ def presample_command(
     export: Annotated[
         Path | None, typer.Option(help="Also export this key's anchors (.jsonl or .parquet).")
     ] = None,
+    tokenizer: TokenizerOpt = None,
 ) -> None:
     """Roll the reference policy out M times per prompt and store each prompt's anchor.
 
@@ -173,7 +239,6 @@ def presample_command(
 
     from anchor_rl.anchors.presample import RolloutSampler, presample
     from anchor_rl.anchors.store import AnchorStore
-    from anchor_rl.rollout.engine import make_engine
 
     s = _setup(
         model,
@@ -188,12 +253,13 @@ def presample_command(
         seed,
         device,
         db,
+        tokenizer,
     )
     console = Console()
     console.print(
         f"presample {task}/{split}: {len(s.records)} prompts x M={m} into {s.db} (key {s.key.digest})"
     )
-    sampler = RolloutSampler(make_engine("hf", s.model, s.tokenizer), s.task, s.params)
+    sampler = RolloutSampler(s.engine, s.task, s.params)
     with AnchorStore(s.db) as store:
         result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
         stats = store.get_anchors(s.key, [r.id for r in s.records])
@@ -270,6 +336,12 @@ def _teacher(
         model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)
         return frozen(model), tokenizer
 
+    if spec == "oracle:reference" and s.model is None:
+        raise typer.BadParameter(
+            "oracle:reference scores the trace with the reference in this process, and this "
+            "reference is served (http:); use oracle, hf:MODEL or http:URL",
+            param_hint="--teacher",
+        )
     try:
         return make_teacher(
             spec, s.task, s.tokenizer, s.model, s.params, load_model=load_model, tries=tries,
@@ -310,6 +382,7 @@ def filter_command(
     stats_out: Annotated[
         Path | None, typer.Option(help="Write the filter statistics here (JSON).")
     ] = None,
+    tokenizer: TokenizerOpt = None,
 ) -> None:
     """PVPO group sampling over presampled anchors (same model/sampling options as presample).
 
@@ -336,6 +409,7 @@ def filter_command(
         seed,
         device,
         db,
+        tokenizer,
     )
     with AnchorStore(s.db) as store:
         stats = store.get_anchors(s.key, [r.id for r in s.records])

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory
+from anchor_rl.progress import Progress
 from anchor_rl.tasks.base import Record
 
 if TYPE_CHECKING:
@@ -209,14 +209,8 @@ def _ask_teacher(
     )
     todo = [r for r in records if r.id not in outcomes]
     samples = 0
-    columns = (
-        TextColumn(f"teacher ({teacher.name})"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, disable=not progress or not todo) as bar:
-        task_id = bar.add_task("teacher", total=len(todo))
+    label = f"teacher ({teacher.name})"
+    with Progress(label, len(todo), enabled=progress and bool(todo)) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             results = teacher.solve(batch)
@@ -235,7 +229,7 @@ def _ask_teacher(
             if store is not None and key is not None:
                 store.put_trajectories(key, new, teacher=teacher.name, tries=teacher.tries)
             outcomes.update(new)
-            bar.advance(task_id, len(batch))
+            bar.update(advance=len(batch))
     return outcomes, samples
 
 

@@ -15,20 +15,17 @@ statistics do not depend on how the prompts were batched or which process sample
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
+import sys
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from torch import Tensor
 
 from anchor_rl.anchors.keys import (
@@ -38,6 +35,7 @@ from anchor_rl.anchors.keys import (
     sampling_settings,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore
+from anchor_rl.progress import Progress
 from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.tasks.base import Record, Task
 
@@ -102,8 +100,10 @@ def presample(
     already have ``n >= m`` rollouts are skipped; records with ``0 < n < m`` get ``m - n``
     more, numbered from ``n``: rollout ``j`` of a prompt is seeded by ``(seed, key, prompt
     id, j)``, so a top-up never replays the samples it is added to and the result does not
-    depend on ``batch_size``. Several processes may presample the same key at once: a
-    prompt another one stored first is not merged twice.
+    depend on ``batch_size``. Two processes presampling the same key take turns: the second
+    says which process holds the key, waits for it, and then samples only what is still
+    missing (nothing, when the first finished). Even without that lock, a prompt another
+    writer stored first is never merged twice.
     """
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
@@ -113,6 +113,49 @@ def presample(
     if len(set(ids)) != len(ids):
         dupes = sorted(i for i, c in Counter(ids).items() if c > 1)
         raise ValueError(f"duplicate record ids: {dupes[:5]}")
+    with _exclusive(store, key):
+        return _presample(records, sampler, store, key, m, batch_size, seed, progress)
+
+
+@contextmanager
+def _exclusive(store: AnchorStore, key: AnchorKey) -> Iterator[None]:
+    """Hold the presampling of ``key`` in ``store`` (an advisory lock file beside the store);
+    wait, saying so, while another process holds it."""
+    path = Path(store.path).parent / f".{Path(store.path).name}.{key.digest[:16]}.lock"
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            print(
+                f"presample: process {holder} is presampling key {key.digest[:12]} into "
+                f"{store.path}; waiting for it, then sampling only what is still missing",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _presample(
+    records: Sequence[Record],
+    sampler: Sampler,
+    store: AnchorStore,
+    key: AnchorKey,
+    m: int,
+    batch_size: int,
+    seed: int,
+    progress: bool,
+) -> PresampleResult:
+    ids = [r.id for r in records]
     have = {pid: s.n for pid, s in store.get_anchors(key, ids).items()}
     todo: dict[int, list[Record]] = {}
     for r in records:
@@ -121,16 +164,7 @@ def presample(
             todo.setdefault(need, []).append(r)
     reused = len(records) - sum(len(v) for v in todo.values())
     rollouts = discarded = 0
-    columns = (
-        TextColumn("presample"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("prompts"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, disable=not progress) as bar:
-        task_id = bar.add_task("presample", total=len(records), completed=reused)
+    with Progress("presample", len(records), done=reused, enabled=progress) as bar:
         for need, pending in todo.items():
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
@@ -142,7 +176,7 @@ def presample(
                     )
                 rollouts += len(batch) * need
                 discarded += _store_unraced(store, key, batch, have, rewards, correct)
-                bar.advance(task_id, len(batch))
+                bar.update(advance=len(batch), info=f"{rollouts} rollouts")
     return PresampleResult(
         key=key.digest,
         rollouts=rollouts,

@@ -31,11 +31,8 @@ Tool turns: tool output tokens carry ``loss_mask`` 0 and log-prob 0, like in rol
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
+import secrets
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -53,7 +50,7 @@ from anchor_rl.anchors.store import TeacherTrajectory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.tokenizer import encode_completion, encode_prompt
-from anchor_rl.rollout.engine import group_requests, make_engine
+from anchor_rl.rollout.engine import Request, group_requests, make_engine, request_seed
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 
@@ -393,15 +390,22 @@ class HFTeacher:
 class OpenAITeacher:
     """A teacher behind an OpenAI-compatible ``/completions`` endpoint that returns log-probs.
 
-    The prompt sent is the policy's own prompt text (its chat template rendered by
-    ``encode_prompt`` and decoded), so the teacher conditions on what the policy sees.
+    It samples through the ``http`` engine (:class:`~anchor_rl.rollout.http.HTTPEngine`):
+    the prompt sent is the policy's own prompt (its chat template rendered by
+    ``encode_prompt``), as token ids, so the teacher conditions on what the policy sees.
     Each turn asks for ``logprobs: 1`` and the task's stop strings; the stop string must
     be kept in the output (``include_stop_str_in_output``, a vLLM option, is sent by
     default through ``extra_body``; SGLang calls it ``no_stop_trim``). The returned
-    tokens, either strings or ``token_id:N`` (vLLM ``return_tokens_as_token_ids``), must
-    equal the policy's tokenisation of the returned text, else a
+    tokens, either ``token_id:N`` (vLLM ``return_tokens_as_token_ids``, which is asked for)
+    or strings, must be the policy's tokens of the returned text, else a
     :class:`TokenizerMismatchError`. Tool calls run locally between turns with the task's
     tools, as in the rollout engine; later turns send prompt + response so far.
+
+    One sample per unsolved record per round, ``concurrency`` requests at a time, up to
+    ``tries`` rounds. Sample ``k`` of a record is seeded by ``("teacher", seed, record id,
+    k)`` when ``seed`` is given (``anchor-rl serve`` then samples reproducibly; other
+    servers get it as ``seed``), else by a fresh random seed. ``timeout`` is per HTTP
+    request; ``retries`` retry connection errors, timeouts and 5xx answers with back-off.
 
     ``fingerprint`` defaults to the URL and model name: a server that swaps weights under
     the same name is not detected; pass ``model_fingerprint`` to pin a content hash.
@@ -424,7 +428,10 @@ class OpenAITeacher:
         extra_body: Mapping[str, Any] | None = None,
         seed: int | None = None,
         model_fingerprint: str | None = None,
+        retries: int = 3,
     ) -> None:
+        from anchor_rl.rollout.http import HTTPEngine
+
         if tries < 1:
             raise ValueError(f"tries must be >= 1, got {tries}")
         if concurrency < 1:
@@ -437,6 +444,10 @@ class OpenAITeacher:
         self.extra_body = (
             dict(extra_body) if extra_body is not None else {"include_stop_str_in_output": True}
         )
+        self.engine = HTTPEngine(
+            policy_tokenizer, base_url, model, timeout=timeout, retries=retries, api_key=api_key,
+            concurrency=concurrency, extra_body=self.extra_body,
+        )  # fmt: skip
         self.fingerprint = model_fingerprint or "http:" + canonical_json(
             {"url": self.url, "model": model}
         )
@@ -448,144 +459,62 @@ class OpenAITeacher:
             "seed": seed,
         }
 
-    # -- one request ------------------------------------------------------------------
+    def _seed(self, record: Record, attempt: int) -> int:
+        if self.seed is None:
+            return secrets.randbits(63)
+        return request_seed("teacher", self.seed, record.id, attempt)
 
-    def complete(
-        self, prompt: str, max_tokens: int, attempt: int
-    ) -> tuple[str, list[str], list[float], str | None]:
-        """One completion: ``(text, tokens, token_logprobs, finish_reason)``."""
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": self.params.temperature,
-            "top_p": self.params.top_p,
-            "logprobs": 1,
-            "n": 1,
-            "stop": list(self.params.stop),
-            **self.extra_body,
-        }
-        if self.seed is not None:
-            body["seed"] = self.seed + attempt
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers=headers, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise RuntimeError(
-                f"teacher endpoint {self.url} answered HTTP {exc.code}: {detail}"
-            ) from exc
-        except urllib.error.URLError as exc:
-            raise ConnectionError(
-                f"cannot reach the teacher endpoint {self.url}: {exc.reason}"
-            ) from exc
-        try:
-            choice = payload["choices"][0]
-            logprobs = choice["logprobs"]
-            tokens, values = list(logprobs["tokens"]), list(logprobs["token_logprobs"])
-            text = choice["text"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RuntimeError(
-                f"teacher endpoint {self.url} returned no choices[0].text/logprobs.tokens/logprobs.token_logprobs "
-                "(does it support `logprobs` on /completions?)"
-            ) from exc
-        if len(tokens) != len(values) or any(v is None for v in values):
-            raise RuntimeError(
-                f"teacher endpoint {self.url} returned {len(tokens)} tokens but log-probs {values[:5]}..."
-            )
-        return text, tokens, [float(v) for v in values], choice.get("finish_reason")
+    def _rollout(self, requests: Sequence[Request]) -> RolloutBatch:
+        from anchor_rl.rollout.http import ServerUnreachableError, TokenMismatchError
 
-    def policy_ids(self, text: str, tokens: Sequence[str]) -> list[int]:
-        """The policy's ids of ``text``, checked against the endpoint's ``tokens``."""
-        ids = self.policy_tokenizer.encode(text, add_special_tokens=False)
-        if tokens and all(t.startswith("token_id:") for t in tokens):
-            theirs: list[Any] = [int(t.removeprefix("token_id:")) for t in tokens]
-            ours: list[Any] = ids
-        else:
-            if "".join(tokens) != text:
-                raise RuntimeError(
-                    f"teacher endpoint {self.url} returned tokens that do not spell its text; if it trimmed the "
-                    "stop string, keep it (vLLM: include_stop_str_in_output, SGLang: no_stop_trim in extra_body)"
-                )
-            theirs, ours = list(tokens), [self.policy_tokenizer.decode([i]) for i in ids]
-        if theirs != ours:
-            at = next(
-                (k for k, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
-                min(len(theirs), len(ours)),
-            )
+        try:
+            return self.engine.rollout(
+                requests, self.params, tools=self.task.tools or None,
+                instruction=self.task.instruction,
+            )  # fmt: skip
+        except TokenMismatchError as exc:
             raise TokenizerMismatchError(
                 f"the teacher endpoint {self.url} (model {self.model!r}) tokenises its text differently from the "
-                f"policy tokenizer {tokenizer_name(self.policy_tokenizer)}: {len(theirs)} vs {len(ours)} tokens, "
-                f"first difference at token {at}: endpoint {theirs[at : at + 3]!r} vs policy {ours[at : at + 3]!r}. "
+                f"policy tokenizer {tokenizer_name(self.policy_tokenizer)}: {exc.detail}. "
                 "A teacher trajectory must be in the policy's tokens: serve a teacher with the policy's tokenizer"
-            )
-        return ids
-
-    # -- one sample -------------------------------------------------------------------
-
-    def sample(self, record: Record, attempt: int) -> TeacherTrajectory | None:
-        """One agent-loop sample of ``record``; the trajectory if the verifier accepts it."""
-        tok = self.policy_tokenizer
-        prompt = tok.decode(
-            encode_prompt(tok, record.prompt, self.task.instruction), skip_special_tokens=False
-        )
-        tools = self.task.tools
-        close_tags = {f"</{tag}>" for tag in tools}
-        ids: list[int] = []
-        mask: list[float] = []
-        logps: list[float] = []
-        so_far, tool_calls = "", 0
-        while (room := self.params.max_new_tokens - len(ids)) > 0:
-            text, tokens, values, finish = self.complete(prompt + so_far, room, attempt)
-            turn = self.policy_ids(text, tokens)
-            ids, mask, logps = ids + turn, mask + [1.0] * len(turn), logps + values
-            so_far += text
-            stop = next((s for s in close_tags if text.endswith(s)), None)
-            if finish == "length" or stop is None or tool_calls >= self.params.max_turns:
-                break
-            from anchor_rl.rollout.agent import tool_result
-
-            result = tool_result(text, tools)
-            result_ids = tok.encode(result, add_special_tokens=False)[
-                : self.params.max_new_tokens - len(ids)
-            ]
-            ids, mask, logps = (
-                ids + result_ids,
-                mask + [0.0] * len(result_ids),
-                logps + [0.0] * len(result_ids),
-            )
-            so_far += result
-            tool_calls += 1
-        completion = tok.decode(ids, skip_special_tokens=True)
-        if not ids or sum(mask) == 0 or not self.task.correct(completion, record):
-            return None
-        return TeacherTrajectory(
-            prompt_id=record.id,
-            token_ids=torch.tensor(ids, dtype=torch.long),
-            logprobs=torch.tensor(logps, dtype=torch.float32),
-            loss_mask=torch.tensor(mask),
-            text=completion,
-            reward=self.task.reward(completion, record),
-            teacher=f"{self.name}:{self.model}",
-            tries=attempt + 1,
-        )
-
-    def _solve_one(self, record: Record) -> TeacherTrajectory | None:
-        for attempt in range(self.tries):
-            if (traj := self.sample(record, attempt)) is not None:
-                return traj
-        return None
+            ) from exc
+        except ServerUnreachableError as exc:
+            raise ConnectionError(f"cannot reach the teacher endpoint {self.url}: {exc}") from exc
 
     def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
-        """Up to ``tries`` samples per record, ``concurrency`` records at a time."""
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._solve_one, records))
+        """Up to ``tries`` samples per record (one per round for the records still unsolved);
+        the first the verifier accepts, or None."""
+        out: list[TeacherTrajectory | None] = [None] * len(records)
+        pending = list(range(len(records)))
+        for attempt in range(self.tries):
+            if not pending:
+                break
+            requests = [
+                Request(records[i].prompt, self._seed(records[i], attempt), group=j)
+                for j, i in enumerate(pending)
+            ]
+            batch = self._rollout(requests)
+            solved = set()
+            for row, i in enumerate(pending):
+                length = int(batch.attention_mask[row].sum())
+                text = batch.texts[row]
+                if length == 0 or batch.loss_mask[row].sum() == 0:
+                    continue
+                if not self.task.correct(text, records[i]):
+                    continue
+                out[i] = TeacherTrajectory(
+                    prompt_id=records[i].id,
+                    token_ids=batch.response_ids[row, :length].clone(),
+                    logprobs=batch.logprobs[row, :length].clone(),
+                    loss_mask=batch.loss_mask[row, :length].clone(),
+                    text=text,
+                    reward=self.task.reward(text, records[i]),
+                    teacher=f"{self.name}:{self.model}",
+                    tries=attempt + 1,
+                )
+                solved.add(i)
+            pending = [i for i in pending if i not in solved]
+        return out
 
 
 TEACHER_SPECS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL")

@@ -61,25 +61,21 @@ def bench(
     """
     from anchor_rl.bench.runner import BenchArgs, load_suite, run_suite
 
-    try:
-        if quick and profile not in (None, "quick"):
-            raise ConfigError("--quick and --profile name different profiles")
-        seed_list = _parse_seeds(seeds) if seeds is not None else None
-        settings = [*(overrides or []), *([f"device={device}"] if device else [])]
-        if suite in FUNCTION_SUITES:
-            module, _, name = FUNCTION_SUITES[suite].partition(":")
-            run, target = getattr(importlib.import_module(module), name), suite
-        else:
-            loaded = load_suite(suite)
-            run, target = functools.partial(run_suite, loaded), loaded.name
-        args = BenchArgs(
-            out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,
-            profile="quick" if quick else profile, echo=typer.echo,
-        )  # fmt: skip
-        result = run(args)
-    except (ConfigError, NotImplementedError, ImportError) as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+    if quick and profile not in (None, "quick"):
+        raise ConfigError("--quick and --profile name different profiles")
+    seed_list = _parse_seeds(seeds) if seeds is not None else None
+    settings = [*(overrides or []), *([f"device={device}"] if device else [])]
+    if suite in FUNCTION_SUITES:
+        module, _, name = FUNCTION_SUITES[suite].partition(":")
+        run, target = getattr(importlib.import_module(module), name), suite
+    else:
+        loaded = load_suite(suite)
+        run, target = functools.partial(run_suite, loaded), loaded.name
+    args = BenchArgs(
+        out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,
+        profile="quick" if quick else profile, echo=typer.echo,
+    )  # fmt: skip
+    result = run(args)
     typer.echo(result["summary_md"].read_text())
     typer.echo(f"summary: {result['summary_json']}, plots: {', '.join(map(str, result['plots']))}")
 

@@ -194,9 +194,7 @@ def run_baseline_mse_suite(
     simulator uses the first seed. Returns ``{"summary_json", "summary_md", "plots"}``
     like ``runner.run_suite``, plus ``"simulator"`` and ``"probe"``.
     """
-    out, seeds, steps, overrides, profile, echo = (
-        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
-    )
+    out, seeds, steps, overrides, profile, echo = args.unpack()
     out.mkdir(parents=True, exist_ok=True)
     suite = load_suite(SUITE)
     specs = plan(suite, out / "training", seeds, steps, overrides, profile)

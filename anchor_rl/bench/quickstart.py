@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from anchor_rl.trainer.config import ConfigError, TrainConfig, load_config
+from anchor_rl.trainer.config import TrainConfig, load_config
 
 SETTINGS: tuple[str, ...] = (
     "model=sft:tiny",
@@ -243,13 +243,9 @@ def quickstart(
 ) -> None:
     """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
     held-out evaluation before and after, and a report (markdown and PNG)."""
-    try:
-        cfg = quickstart_config(task, steps, time_limit, overrides or [])
-        run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = run_quickstart(cfg, run_dir)
-    except (ConfigError, FileExistsError) as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+    cfg = quickstart_config(task, steps, time_limit, overrides or [])
+    run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run_quickstart(cfg, run_dir)
     typer.echo(
         f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
         f"in {result['total_s']:.0f} s"

@@ -165,6 +165,8 @@ class Method:
     seeds: list[int]
     records: list[list[dict[str, float]]]
     figures: dict[str, dict[str, Any]]
+    run_dirs: list[Path] = field(default_factory=list)
+    """The run directories the records come from."""
     name: str = ""
     """Label shown in plots: the label, prefixed by the suite when two suites share it."""
 
@@ -192,16 +194,20 @@ def load_results(paths: Sequence[Path]) -> Results:
                 files.setdefault(found.resolve(), found)
     results = Results()
     suite_roots: dict[str, Path] = {}
+    trained: list[Path] = []  # runs of `anchor-rl train`, reported when no suite holds them
+    suite_dirs: set[Path] = set()
     for file in files.values():
         payload = json.loads(file.read_text())
         if file.name == "summary.json":
             if "groups" not in payload or "suite" not in payload:
-                continue  # a training run's own summary
+                trained.append(file.parent)  # a training run's own summary
+                continue
             # the same suite run twice (other seeds, steps or overrides) stays two suites
             suite = payload["suite"]
             if suite_roots.setdefault(suite, file.parent) != file.parent:
                 suite = f"{suite} ({file.parent.name})"
             results.methods += _suite_methods(file.parent, {**payload, "suite": suite})
+            suite_dirs.add(file.parent.resolve())
         elif file.name == "baseline_mse.json":
             results.mse.append((file.parent, payload))
         elif file.name == "trl_compare.json":
@@ -209,8 +215,36 @@ def load_results(paths: Sequence[Path]) -> Results:
         else:
             results.throughput.append((file.parent, payload))
         results.sources.append(file)
+    in_suites = {d.resolve() for m in results.methods for d in m.run_dirs}
+    for run_dir in trained:
+        inside = suite_dirs & set(run_dir.resolve().parents)
+        if run_dir.resolve() not in in_suites and not inside:
+            results.methods.append(_run_method(run_dir))
+            results.sources.append(run_dir / "summary.json")
     _name_methods(results.methods)
     return results
+
+
+def _run_method(run_dir: Path) -> Method:
+    """One training run (``anchor-rl train``'s directory) as a method of one seed, with the
+    figures a suite computes for its runs."""
+    from anchor_rl.bench.summary import run_figures, summarise
+    from anchor_rl.trainer.logging import read_metrics
+
+    config = json.loads((run_dir / "config.json").read_text())
+    records = read_metrics(run_dir)
+    label = config.get("preset") or run_dir.name
+    seed = config.get("seed", 0)
+    (group,) = summarise([{"label": label, "seed": seed, "figures": run_figures(records)}])
+    return Method(
+        suite=f"run {run_dir.name}",
+        label=label,
+        task=config.get("task", "unknown"),
+        seeds=[seed],
+        records=[records],
+        figures=group["figures"],
+        run_dirs=[run_dir],
+    )
 
 
 def _suite_methods(root: Path, summary: Mapping[str, Any]) -> list[Method]:
@@ -222,11 +256,12 @@ def _suite_methods(root: Path, summary: Mapping[str, Any]) -> list[Method]:
     figures = {g["label"]: g["figures"] for g in summary["groups"]}
     methods = []
     for label, runs in by_label.items():
-        records, task = [], "unknown"
+        records, task, dirs = [], "unknown", []
         for run in runs:
             run_dir = _run_dir(root, run)
             if run_dir is None:
                 continue
+            dirs.append(run_dir)
             records.append(read_metrics(run_dir))
             config = run_dir / "config.json"
             if config.is_file():
@@ -239,6 +274,7 @@ def _suite_methods(root: Path, summary: Mapping[str, Any]) -> list[Method]:
                 seeds=[r["seed"] for r in runs],
                 records=records,
                 figures=figures.get(label, {}),
+                run_dirs=dirs,
             )
         )
     return methods
@@ -750,8 +786,9 @@ def write_report(
     results = load_results(runs)
     if not results.sources:
         raise FileNotFoundError(
-            f"no bench results under {', '.join(map(str, runs))} (looked for summary.json, "
-            "baseline_mse.json, trl_compare.json, throughput.json)"
+            f"no results under {', '.join(map(str, runs))} (looked for a finished training run's "
+            "or a bench suite's summary.json, baseline_mse.json, trl_compare.json, "
+            "throughput.json; a run still training has no summary.json yet)"
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -772,7 +809,8 @@ def write_report(
 
 def report_command(
     runs: Annotated[
-        list[Path], typer.Argument(help="Bench result directories (searched recursively).")
+        list[Path],
+        typer.Argument(help="Training runs or bench result directories (searched recursively)."),
     ],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Directory for report.md, report.html and plots.")
@@ -785,7 +823,7 @@ def report_command(
         ),
     ] = None,
 ) -> None:
-    """Build one report (markdown + offline HTML) from bench result directories."""
+    """Build one report (markdown + offline HTML) from training runs and bench results."""
     command = " ".join(
         ["anchor-rl report", *map(str, runs), f"--out {out}"]
         + ([f"--results-md {results_md}"] if results_md else [])

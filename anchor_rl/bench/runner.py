@@ -105,6 +105,12 @@ class BenchArgs:
     profile: str | None = None
     echo: Callable[[str], None] = print
 
+    def unpack(
+        self,
+    ) -> tuple[Path, Sequence[int] | None, int | None, Sequence[str], str | None, Callable]:
+        """``(out as a Path, seeds, steps, overrides, profile, echo)``, for a runner's locals."""
+        return Path(self.out), self.seeds, self.steps, self.overrides, self.profile, self.echo
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -260,9 +266,7 @@ def run_suite(
 
     Returns ``{"summary_json", "summary_md", "plots"}`` paths.
     """
-    out, seeds, steps, overrides, profile, echo = (
-        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
-    )
+    out, seeds, steps, overrides, profile, echo = args.unpack()
     specs = plan(suite, out, seeds, steps, overrides, profile)
     Path(out).mkdir(parents=True, exist_ok=True)
     for i, spec in enumerate(specs, 1):

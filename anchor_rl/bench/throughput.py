@@ -151,9 +151,7 @@ def run_throughput_suite(
     ``sizes`` defaults to :func:`default_sizes` for the runs' device. Returns
     ``{"summary_json", "summary_md", "plots"}`` paths.
     """
-    out, seeds, steps, overrides, profile, echo = (
-        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
-    )
+    out, seeds, steps, overrides, profile, echo = args.unpack()
     from anchor_rl.trainer.logging import read_metrics
 
     specs = plan(throughput_suite(), out, seeds, steps, overrides, profile)

@@ -312,9 +312,7 @@ def run_trl_suite(
 
     Returns ``{"summary_json", "summary_md", "plots"}`` paths.
     """
-    out, seeds, steps, overrides, profile, echo = (
-        Path(args.out), args.seeds, args.steps, args.overrides, args.profile, args.echo
-    )
+    out, seeds, steps, overrides, profile, echo = args.unpack()
     require_trl()
     specs = plan(TRL_SUITE, out, seeds, steps, overrides, profile)
     for spec in specs:
@@ -517,29 +515,29 @@ class _StepClock:
         self.start = 0.0
 
     def callback(self, total: int, progress: bool) -> Any:
-        from rich.progress import Progress
         from transformers import TrainerCallback
 
+        from anchor_rl.progress import Progress
+
         clock = self
-        bar = Progress(disable=not progress)
+        bar = Progress("trl", total, enabled=progress)
 
         class Clock(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
                 clock.start = time.perf_counter()
-                bar.start()
-                self.task = bar.add_task("[bold]trl", total=total)
+                bar.__enter__()
 
             def on_step_end(self, args, state, control, **kwargs):
                 clock.ends.append(time.perf_counter())
                 if len(clock.ends) % clock.group == 0:
-                    bar.advance(self.task)
+                    bar.update(advance=1)
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "reward" in logs:
                     clock.logs.append(dict(logs))
 
             def on_train_end(self, args, state, control, **kwargs):
-                bar.stop()
+                bar.__exit__(None, None, None)
 
         return Clock()
 

@@ -77,10 +77,15 @@ def sft(
 
     from anchor_rl.models.factory import SIZES
     from anchor_rl.models.sft import TASK_DEFAULTS, default_config, is_complete, sft_dir, train_sft
+    from anchor_rl.tasks import TASKS
 
     if size not in SIZES:
         raise typer.BadParameter(
             f"unknown size {size!r}; choose one of {', '.join(SIZES)}", param_hint="--size"
+        )
+    if task not in TASKS:
+        raise typer.BadParameter(
+            f"unknown task {task!r}; choose one of {', '.join(TASKS)}", param_hint="--task"
         )
     kwargs = parse_task_kwargs(task_kwargs)
     data = None if data_kwargs is None else parse_task_kwargs(data_kwargs, "--data-kwargs")

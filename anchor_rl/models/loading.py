@@ -6,6 +6,7 @@ built-in tiny models are saved the same way as any other causal LM.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from anchor_rl.errors import AnchorRLError
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
@@ -38,15 +41,54 @@ def load_policy(
     names an id to fill with).
     """
     path = Path(path)
+    if not path.is_dir():
+        raise AnchorRLError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+        raise AnchorRLError(f"{path} is not a model directory (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise AnchorRLError(f"{path} holds no loadable tokenizer: {exc}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path} has neither a pad nor an eos token")
+            raise AnchorRLError(f"the tokenizer in {path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype)).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype)).to(device)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise AnchorRLError(
+                f"{path} holds a model that is not a causal LM ({_model_type(path)}): "
+                "AutoModelForCausalLM cannot load it"
+            ) from None
+        raise
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise AnchorRLError(
+            f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's embeddings "
+            f"only {embeddings}: the tokenizer does not belong to this model"
+        )
     return model, tokenizer
+
+
+def _model_type(path: Path) -> str:
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("model_type", "unknown"))
+    except (OSError, ValueError):
+        return "unreadable config.json"
+
+
+def check_device(device: str) -> None:
+    """AnchorRLError when ``device`` names an accelerator this machine does not have."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        built = "with" if torch.version.cuda else "without"
+        raise AnchorRLError(
+            f"device={device} but no CUDA GPU is visible (torch {torch.__version__} is built "
+            f"{built} CUDA); use device=cpu"
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise AnchorRLError(f"device={device} but MPS is not available here; use device=cpu")
 
 
 def save_policy(

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer, encode_completion, encode_prompt
+from anchor_rl.progress import Progress
 
 if TYPE_CHECKING:
     from anchor_rl.tasks.base import Record, Task
@@ -200,7 +201,6 @@ def is_complete(path: Path, cfg: SFTConfig) -> bool:
 def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
     """Train per ``cfg`` and save model, tokenizer, ``sft_config.json``, ``loss.json`` and
     ``loss_curve.png`` to ``out``. Returns the per-step losses."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from anchor_rl.tasks import get_task
 
@@ -217,15 +217,7 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
     )
     generator = torch.Generator().manual_seed(cfg.seed)
     losses: list[float] = []
-    columns = (
-        TextColumn("SFT {task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, disable=not progress) as bar:
-        job = bar.add_task(f"{cfg.task}/{cfg.size}", total=cfg.steps, loss=float("nan"))
+    with Progress(f"sft {cfg.task}/{cfg.size}", cfg.steps, enabled=progress) as bar:
         lengths = [len(ids) for ids, _ in examples]
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.steps, generator)
         for step, idx in enumerate(batches):
@@ -237,7 +229,7 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             losses.append(loss.item())
-            bar.update(job, advance=1, loss=losses[-1])
+            bar.update(advance=1, info=f"loss {losses[-1]:.4f}")
     model.eval()
     save_policy(model, tokenizer, out)
     (out / "loss.json").write_text(json.dumps(losses))

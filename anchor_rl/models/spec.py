@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import SIZES, build_model
 from anchor_rl.models.loading import load_policy
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -41,7 +42,7 @@ def _load(
     kind, _, size = spec.partition(":")
     if kind in {"sft", "random"} and size:
         if size not in SIZES:
-            raise ValueError(f"model {spec!r}: unknown size {size!r}; sizes: {', '.join(SIZES)}")
+            raise AnchorRLError(f"model {spec!r}: unknown size {size!r}; sizes: {', '.join(SIZES)}")
         if kind == "random":
             tokenizer = build_tokenizer()
             return build_model(size, tokenizer, seed=seed).to(device), tokenizer
@@ -50,7 +51,7 @@ def _load(
         path = train_sft(task, size, task_kwargs=task_args or None, progress=progress)
         return load_policy(path, device=device)
     if not (Path(spec) / "config.json").is_file():
-        raise ValueError(
+        raise AnchorRLError(
             f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
             "like sft:tiny or random:tiny"
         )
@@ -73,7 +74,7 @@ def load_reference(
     """
     model, ref_tokenizer = load_spec(spec, task, task_args, seed, device, progress)
     if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
+        raise AnchorRLError(
             f"the reference {spec!r} has a different tokenizer vocabulary from the policy's; "
             "the KL term, PVPO anchors and teacher log-probs need the same vocabulary"
         )

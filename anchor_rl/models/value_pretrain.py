@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor
 
 from anchor_rl.algos.losses import value_loss
+from anchor_rl.errors import NonFiniteError
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.value_metrics import explained_variance, first_token_value_error
+from anchor_rl.progress import Progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -123,16 +124,8 @@ def pretrain_value(
     }
     was_training = critic.training
     critic.train()
-    columns = (
-        TextColumn("value pretraining"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    )
     try:
-        with Progress(*columns, disable=not progress, transient=False) as bar:
-            task = bar.add_task("pretrain", total=steps, info="")
+        with Progress("value pretraining", steps, enabled=progress) as bar:
             for step in range(steps):
                 batch, rewards = sample_fn(step)
                 if rewards.shape != (len(batch),):
@@ -150,7 +143,7 @@ def pretrain_value(
                 )
                 if ev_threshold is not None and ev >= ev_threshold:
                     history["stopped_early"] = True
-                    bar.update(task, info=f"EV {ev:.3f} >= {ev_threshold}: stop")
+                    bar.update(info=f"EV {ev:.3f} >= {ev_threshold}: stop")
                     break
                 b = len(batch)
                 shuffle = mini_batch is not None and mini_batch < b
@@ -164,7 +157,7 @@ def pretrain_value(
                 history["vf_clipfrac"].append(fit["vf_clipfrac"])
                 history["steps"] += 1
                 history["updates"] += fit["updates"]
-                bar.update(task, advance=1, info=f"EV {ev:.3f}  loss {fit['loss']:.4f}")
+                bar.update(advance=1, info=f"EV {ev:.3f}  loss {fit['loss']:.4f}")
     finally:
         critic.train(was_training)
     return history
@@ -222,7 +215,10 @@ def fit_values(
             clip_sum += float(metrics["vf_clipfrac"]) * part_tokens
             tokens_sum += part_tokens
         limit = math.inf if max_grad_norm is None else max_grad_norm
-        norm_sum += float(torch.nn.utils.clip_grad_norm_(params, limit))
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        if not (math.isfinite(norm) and math.isfinite(loss_sum)):
+            raise NonFiniteError(f"the value update: loss sum = {loss_sum}, grad_norm = {norm}")
+        norm_sum += norm
         optimizer.step()
         updates += 1
     optimizer.zero_grad(set_to_none=True)

@@ -6,9 +6,12 @@ per completion. A completion is a string, or a list of chat messages (``{"role",
 string, or a list of accepted strings (a gold answer with its aliases); a None answer
 gives a None reward (no verdict). Other columns are ignored.
 
-These functions raise on a broken verifier (a math-verify timeout raises TimeoutError);
-wrap them with :class:`anchor_rl.rewards.safe.SafeVerifier` (``.map``) to turn that
-into a counted failure.
+Every function returns in bounded time on any completion (answer extraction and the QA
+scores are linear in its length; a math answer over
+:data:`anchor_rl.rewards.math.MAX_ANSWER_CHARS` is not parsed). They raise on a broken
+verifier (a math-verify timeout raises TimeoutError); wrap them with
+:class:`anchor_rl.rewards.safe.SafeVerifier` (``.map``) to turn that into a counted
+failure, as :class:`anchor_rl.tasks.reward_set.RewardedTask` does.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ the whole comparison (parse gold, parse prediction, verify) with one deadline of
   seconds and restarts the pool if a worker is stuck beyond its own timer. Restarting
   also abandons the other calls then in flight in that pool; they time out too.
 
+The deadline bounds math-verify's work; before it, a length cap bounds the input:
+a prediction longer than ``max_chars`` characters (1,000 by default), or than twice the
+gold answer when that is longer, is False without being parsed. Competition answers
+are a few dozen characters, so such a prediction cannot be right, and parsing a
+megabyte of LaTeX would only burn the whole deadline.
+
 A timed-out comparison raises :class:`TimeoutError` rather than returning False, so the
 caller (usually :class:`anchor_rl.rewards.safe.SafeVerifier`) can count it. POSIX only
 (``SIGALRM``). Like any ``spawn`` pool, the worker processes import the caller's
@@ -32,7 +38,10 @@ from multiprocessing.pool import Pool
 
 from math_verify import parse, verify
 
-__all__ = ["MathVerifier", "math_equal"]
+__all__ = ["MAX_ANSWER_CHARS", "MathVerifier", "math_equal"]
+
+MAX_ANSWER_CHARS = 1_000
+"""The longest prediction :class:`MathVerifier` parses by default (see the module docstring)."""
 
 _log = logging.getLogger(__name__)
 
@@ -104,13 +113,24 @@ class MathVerifier:
         processes: worker processes used for calls made off the main thread.
         grace: extra seconds the caller waits for a worker beyond ``timeout`` before it
             declares the worker stuck and restarts the pool.
+        max_chars: the longest prediction compared (or twice the gold's length if that
+            is more); a longer one is not equal, without being parsed.
     """
 
-    def __init__(self, timeout: float = 5.0, processes: int = 2, grace: float = 10.0) -> None:
+    def __init__(
+        self,
+        timeout: float = 5.0,
+        processes: int = 2,
+        grace: float = 10.0,
+        max_chars: int = MAX_ANSWER_CHARS,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        self.max_chars = max_chars
         self.timeout = timeout
         self.processes = processes
         self.grace = grace
@@ -122,15 +142,16 @@ class MathVerifier:
 
         Both are answer strings (not whole completions; see ``extract_answer``), LaTeX or
         plain (``0.5``, ``1/2``, ``\\frac{1}{2}`` all match). Surrounding ``$`` are
-        dropped. An empty or missing prediction is False. Raises TimeoutError when the
-        comparison takes longer than ``timeout`` seconds.
+        dropped. An empty or missing prediction is False, and so is one longer than
+        ``max_chars`` characters (or twice the gold's length, if more): it is not parsed.
+        Raises TimeoutError when the comparison takes longer than ``timeout`` seconds.
         """
         if pred is None:
             return False
         pred, gold = _clean(pred), _clean(gold)
         if not gold:
             raise ValueError("empty gold answer")
-        if not pred:
+        if not pred or len(pred) > max(self.max_chars, 2 * len(gold)):
             return False
         if pred == gold:
             return True
@@ -182,6 +203,9 @@ _DEFAULT = MathVerifier()
 
 def math_equal(pred: str | None, gold: str) -> bool:
     """Whether ``pred`` and ``gold`` are the same math answer (math-verify, 5 s deadline).
+
+    A prediction over :data:`MAX_ANSWER_CHARS` characters (or twice the gold's length)
+    is False without being parsed.
 
     Thread-safe; raises TimeoutError past the deadline. Uses a shared
     :class:`MathVerifier`; build your own for another timeout or pool size.

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from anchor_rl.rewards.extract import extract_tag
 from anchor_rl.rewards.format import format_ok
-from anchor_rl.rewards.qa import Gold, cover_exact_match, f1, normalize_answer
+from anchor_rl.rewards.qa import Gold, _cem, _f1, normalize_answer
 
 
 def reward(completion: str, gold: Gold, n: int = 3, tools: Sequence[str] = ("search",)) -> float:
@@ -21,18 +21,16 @@ def reward(completion: str, gold: Gold, n: int = 3, tools: Sequence[str] = ("sea
     - ``r_acc = cover_exact_match(pred, gold)``.
 
     With several accepted answers, the rule is applied to each and the best is kept.
+    Linear time in the length of the completion.
     """
     if not format_ok(completion, tools):
         return 0.0
-    pred = extract_tag(completion, "answer") or ""
+    pred = normalize_answer(extract_tag(completion, "answer") or "")
     golds = [gold] if isinstance(gold, str) else list(gold)
     if not golds:
         raise ValueError("no gold answer given")
-    n_pred = len(normalize_answer(pred).split())
-    r_acc = max(
-        f1(pred, g)
-        if n_pred >= n * len(normalize_answer(g).split())
-        else cover_exact_match(pred, g)
-        for g in golds
-    )
+    n_pred = len(pred.split())
+    r_acc = 0.0
+    for g in map(normalize_answer, golds):  # the prediction is normalised once
+        r_acc = max(r_acc, _f1(pred, g) if n_pred >= n * len(g.split()) else _cem(pred, g))
     return max(0.1, r_acc)

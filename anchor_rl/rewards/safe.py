@@ -23,7 +23,9 @@ class SafeVerifier:
             mark the reward missing).
         timeout: seconds after which a call counts as timed out. The call then runs on
             in a daemon thread (Python cannot stop a thread) and its result is dropped;
-            use it for verifiers that may be slow, not for ones that never return.
+            use it for verifiers that may be slow, not for ones that never return. While
+            such a call holds the GIL (regex backtracking, a huge integer conversion) the
+            whole process waits, time limit or not: bound that work in the verifier.
             Verifiers that bound themselves (``math_equal``) need none: a ``TimeoutError``
             they raise is counted as a timeout either way.
         name: label for log lines (defaults to ``fn``'s name).
@@ -86,6 +88,16 @@ class SafeVerifier:
         """The counters as a dict, for a metrics logger."""
         with self._lock:
             return {"calls": self.calls, "failures": self.failures, "timeouts": self.timeouts}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (the lock is left out and made anew), so a task holding guards is too."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         with self._lock:

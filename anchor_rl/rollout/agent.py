@@ -106,4 +106,3 @@ def run_agent(
                 if len(result) >= room:
                     r.truncated = r.done = True
     return responses
-

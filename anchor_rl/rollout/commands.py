@@ -7,8 +7,9 @@ torch and transformers are imported inside the command so ``anchor-rl --help`` s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -16,7 +17,13 @@ from anchor_rl.models.commands import default_threads, parse_task_kwargs
 
 
 def eval_command(
-    model: Annotated[Path, typer.Option(help="Model directory (any Hugging Face causal LM).")],
+    model: Annotated[
+        str,
+        typer.Option(
+            help="A model directory (any Hugging Face causal LM), sft:SIZE, random:SIZE, or "
+            "http:URL[#MODEL] (a served model, e.g. `anchor-rl serve`)."
+        ),
+    ],
     task: Annotated[str, typer.Option(help="Task name (see anchor_rl.tasks.get_task).")],
     k: Annotated[int, typer.Option(help="Samples per prompt.", min=1)] = 8,
     split: Annotated[
@@ -40,9 +47,19 @@ def eval_command(
         str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
     ] = None,
     device: Annotated[str, typer.Option(help="Torch device.")] = "cpu",
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="Tokenizer directory for an http: model whose server does not serve its "
+            "tokenizer (anchor-rl serve does)."
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="JSON output. Default: <model>/eval-<task>-<split>-k<k>.json."),
+        typer.Option(
+            help="JSON output. Default: <model>/eval-<task>-<split>-k<k>.json for a model "
+            "directory, ./eval-<model>-<task>-<split>-k<k>.json otherwise."
+        ),
     ] = None,
 ) -> None:
     """Evaluate a model on a task; prints the metrics and saves them (with per-prompt counts) as JSON."""
@@ -51,19 +68,18 @@ def eval_command(
     from rich.console import Console
     from rich.table import Table
 
-    from anchor_rl.models.loading import load_policy
-    from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
-    task_obj = get_task(task, **parse_task_kwargs(task_kwargs))
-    policy, tokenizer = load_policy(model, device=device)
+    kwargs = parse_task_kwargs(task_kwargs)
+    task_obj = get_task(task, **kwargs)
+    engine, tok, where = _engine(model, task, kwargs, seed, device, tokenizer)
     if max_new_tokens is None:
         try:
-            max_new_tokens = trace_budget(tokenizer, task_obj, task_obj.records(split)[:limit])
+            max_new_tokens = trace_budget(tok, task_obj, task_obj.records(split)[:limit])
         except NotImplementedError as exc:
             raise typer.BadParameter(
                 f"{exc}; pass it explicitly", param_hint="--max-new-tokens"
@@ -75,9 +91,10 @@ def eval_command(
         max_turns=max_turns,
         stop=task_obj.stop,
     )
-    engine = make_engine("hf", policy, tokenizer)
     result = evaluate(engine, task_obj, split, k, params, limit, seed, progress=True)
-    result["model"] = str(model)
+    result["model"] = model
+    if model.startswith("http:"):  # served: say which weights
+        result["server"] = {"model": engine.model, "fingerprint": engine.info().fingerprint}
     table = Table(title=f"{task} / {split}: {result['prompts']} prompts x {k} samples")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -85,7 +102,45 @@ def eval_command(
         if isinstance(value, float):
             table.add_row(name, f"{value:.4f}")
     Console().print(table)
-    path = out or Path(model) / f"eval-{task}-{split}-k{k}.json"
+    if out is not None:
+        path = out
+    elif where is not None:
+        path = where / f"eval-{task}-{split}-k{k}.json"
+    else:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
+        path = Path(f"eval-{slug}-{task}-{split}-k{k}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     typer.echo(path)
+
+
+def _engine(
+    model: str,
+    task: str,
+    task_kwargs: dict[str, Any],
+    seed: int,
+    device: str,
+    tokenizer: Path | None,
+) -> tuple[Any, Any, Path | None]:
+    """The engine a ``--model`` names, its tokenizer, and the model directory (None unless
+    ``model`` is one): ``http:URL`` samples through the ``http`` engine, anything else loads
+    with ``load_spec`` and samples in this process."""
+    from anchor_rl.errors import AnchorRLError
+    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout.engine import make_engine
+
+    if model.startswith("http:"):
+        from anchor_rl.rollout.http import connect, load_tokenizer
+
+        try:
+            tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+            engine = connect(model, tok)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from exc
+        return engine, engine.tokenizer, None
+    try:
+        policy, tok = load_spec(model, task, task_kwargs, seed, device)
+    except (ValueError, AnchorRLError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    where = Path(model) if (Path(model) / "config.json").is_file() else None
+    return make_engine("hf", policy, tok), tok, where

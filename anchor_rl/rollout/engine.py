@@ -183,7 +183,9 @@ class HFEngine:
         runs (:func:`~anchor_rl.rollout.agent.run_agent`)."""
         if not requests:
             raise ValueError("rollout needs at least one request")
-        encoded = {p: encode_prompt(self.tokenizer, p, instruction) for p in {r.prompt for r in requests}}
+        encoded = {
+            p: encode_prompt(self.tokenizer, p, instruction) for p in {r.prompt for r in requests}
+        }
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in encoded.values())
         if limit is not None and longest + params.max_new_tokens > limit:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
+from anchor_rl.progress import Progress
 from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.rollout.types import SamplingParams
 
@@ -82,8 +83,6 @@ def evaluate(
     (tool output included), ``mean_policy_tokens``, ``mean_tool_calls``,
     ``truncated`` (fraction), counts, and ``per_prompt`` (record id -> correct count).
     """
-    from rich.progress import Progress
-
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     params = params or SamplingParams(stop=task.stop)
@@ -94,8 +93,7 @@ def evaluate(
     correct: list[int] = []
     rewards: list[float] = []
     totals = {"response": 0.0, "policy": 0.0, "tools": 0.0, "truncated": 0.0}
-    with Progress(disable=not progress) as bar:
-        job = bar.add_task(f"eval {task.name}/{split}", total=len(records))
+    with Progress(f"eval {task.name}/{split}", len(records), enabled=progress) as bar:
         for start in range(0, len(records), per_chunk):
             part = records[start : start + per_chunk]
             requests = group_requests(
@@ -110,7 +108,7 @@ def evaluate(
             totals["policy"] += batch.loss_mask.sum().item()
             totals["tools"] += batch.tool_calls.sum().item()
             totals["truncated"] += batch.truncated.sum().item()
-            bar.update(job, advance=len(part))
+            bar.update(advance=len(part))
     samples = len(records) * k
     return {
         "task": task.name,

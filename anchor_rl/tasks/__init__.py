@@ -9,8 +9,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from anchor_rl.errors import BadArgumentsError, ConfigError
 from anchor_rl.tasks.arithmetic import ArithmeticTask
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import GuardedTask, Record, Split, Task
 from anchor_rl.tasks.countdown import CountdownTask
 from anchor_rl.tasks.loaders import PRESETS, FileTask, Format
 from anchor_rl.tasks.multihop import MultihopTask
@@ -26,13 +27,15 @@ TASKS: dict[str, type[Task]] = {
 def get_task(name: str, **kwargs: Any) -> Task:
     """Build the task registered as ``name`` with its constructor's keyword arguments."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
     cls = TASKS[name]
     params = inspect.signature(cls.__init__).parameters
     unknown = sorted(set(kwargs) - set(params) - {"self"})
     if unknown:
         valid = ", ".join(p for p in params if p != "self")
-        raise TypeError(f"task {name!r} got unknown argument(s) {unknown}; it takes: {valid}")
+        raise BadArgumentsError(
+            f"task {name!r} got unknown argument(s) {unknown}; it takes: {valid}"
+        )
     return cls(**kwargs)
 
 
@@ -43,6 +46,7 @@ __all__ = [
     "CountdownTask",
     "FileTask",
     "Format",
+    "GuardedTask",
     "MultihopTask",
     "Record",
     "Split",

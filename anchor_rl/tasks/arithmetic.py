@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.tasks._generate import Draw, check_counts, mix, unique_splits
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import GuardedTask, Record, Split
 
 Level = tuple[int, int]
 """(number of operands, digits per operand): operands 2..5, digits 1..3."""
@@ -82,16 +82,31 @@ def make_expression(rng: random.Random, level: Level, mul_prob: float = 1 / 3) -
     return expr, str(value), meta
 
 
-def parse_int(text: str | None) -> int | None:
-    """An integer answer written as plain digits (optionally signed, commas allowed), else None."""
+MAX_INT_DIGITS = 64
+"""The most significant digits :func:`parse_int` reads. Every arithmetic answer is below
+10**6, so a longer number cannot be right; the cap also keeps parsing linear (Python
+refuses to convert a string of more than 4,300 digits, and the conversion is quadratic
+below that)."""
+
+
+def parse_int(text: str | None, max_digits: int = MAX_INT_DIGITS) -> int | None:
+    """An integer answer written as plain digits (optionally signed, commas allowed), else None.
+
+    Digits are ASCII or any other Unicode decimal digit (``int`` reads them); ``²`` or
+    ``1.0`` are no integer. A number with more than ``max_digits`` significant digits
+    (leading zeros not counted) is None too, without being converted; linear time.
+    """
     if text is None:
         return None
     text = text.strip().replace(",", "")
-    body = text[1:] if text[:1] in "+-" else text
-    return int(text) if body.isdigit() else None
+    sign, body = (text[0], text[1:]) if text[:1] in ("+", "-") else ("", text)
+    if not body.isdecimal():
+        return None
+    digits = body.lstrip("0") or "0"  # int() counts leading zeros against its limit
+    return None if len(digits) > max_digits else int(sign + digits)
 
 
-class ArithmeticTask(Task):
+class ArithmeticTask(GuardedTask):
     """Integer expressions of mixed difficulty; reward 1.0 for the exact value in <answer>.
 
     Args:
@@ -136,7 +151,7 @@ class ArithmeticTask(Task):
     def records(self, split: Split) -> list[Record]:
         return list(self._splits[split])
 
-    def reward(self, completion: str, record: Record) -> float:
+    def score(self, completion: str, record: Record) -> float:
         """1.0 if the extracted answer is the integer ``record.answer``, else 0.0."""
         pred = parse_int(extract_answer(completion))
         return float(pred is not None and pred == int(record.answer))

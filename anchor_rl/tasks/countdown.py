@@ -23,9 +23,13 @@ from fractions import Fraction
 
 from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.tasks._generate import Draw, check_counts, mix, unique_splits
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import GuardedTask, Record, Split
 
 MAX_EXPRESSION_CHARS = 200
+"""The longest answer expression :func:`evaluate` parses. A solution uses at most six
+given numbers, five operators and four pairs of parentheses: under 140 characters even
+with 20-digit numbers, so a longer expression cannot be right. The cap keeps
+``ast.parse`` and the tree walk small (no deep nesting, no huge literals)."""
 
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
@@ -35,14 +39,15 @@ def evaluate(expr: str) -> tuple[Fraction, list[int]]:
     """Exact value of an arithmetic expression and the integer literals it uses.
 
     Accepts integer literals, ``+ - * /`` and parentheses. Raises ValueError for
-    anything else (names, calls, unary minus, floats, powers, ...), for a syntax error,
-    for division by zero and for expressions over ``MAX_EXPRESSION_CHARS`` characters.
+    anything else (names, calls, unary minus, floats, powers, ...), for a syntax error
+    (NUL and lone surrogates included), for division by zero and for expressions over
+    ``MAX_EXPRESSION_CHARS`` characters (checked first, so parsing is bounded).
     """
     if len(expr) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
         tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, RecursionError, MemoryError) as exc:
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise ValueError(f"not an expression: {expr[:60]!r}") from exc
     literals: list[int] = []
 
@@ -146,7 +151,7 @@ def make_puzzle(
     raise ValueError(f"no puzzle of size {size} found in {tries} tries (max_target={max_target})")
 
 
-class CountdownTask(Task):
+class CountdownTask(GuardedTask):
     """Countdown puzzles of 2..4 numbers; reward 1.0 for a valid expression hitting the target.
 
     Args:
@@ -199,7 +204,7 @@ class CountdownTask(Task):
     def records(self, split: Split) -> list[Record]:
         return list(self._splits[split])
 
-    def reward(self, completion: str, record: Record) -> float:
+    def score(self, completion: str, record: Record) -> float:
         """1.0 if the answer expression is valid and equals the target, else 0.0."""
         expr = extract_answer(completion)
         if expr is None:

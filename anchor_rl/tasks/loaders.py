@@ -31,11 +31,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from anchor_rl.errors import DatasetError
 from anchor_rl.rewards import pvpo, qa
 from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.rewards.math import math_equal
-from anchor_rl.rewards.safe import SafeVerifier
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import GuardedTask, Record, Split
 
 _log = logging.getLogger(__name__)
 
@@ -117,10 +117,15 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
         return pq.read_table(path).to_pylist()
     if suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
+        raise DatasetError(
+            f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet"
+        )
     text = path.read_text(encoding="utf-8")
     if suffix == ".json" and text.lstrip().startswith("["):
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     else:
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -128,9 +133,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                    raise DatasetError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
     if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: every row must be a JSON object")
+        raise DatasetError(f"{path}: every row must be a JSON object")
     return rows
 
 
@@ -156,22 +161,22 @@ def _question_text(value: Any) -> str:
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         users = [m for m in value if m.get("role") == "user"]
         if not users:
-            raise ValueError("the chat-message question has no user message")
+            raise DatasetError("the chat-message question has no user message")
         return str(users[-1].get("content", ""))
-    raise ValueError(f"question must be a string or a list of chat messages, got {value!r:.80}")
+    raise DatasetError(f"question must be a string or a list of chat messages, got {value!r:.80}")
 
 
 def _golds(value: Any, fmt: Format) -> list[str]:
     """The gold answer first, then any further accepted answers the answer column lists."""
     values = value if isinstance(value, list) else [value]  # a list: ["72"], golden_answers
     if not values:
-        raise ValueError("empty list of answers")
+        raise DatasetError("empty list of answers")
     golds = []
     for v in values:
         text = str(v)
         if fmt.answer_after is not None:
             if fmt.answer_after not in text:
-                raise ValueError(f"answer has no {fmt.answer_after!r} marker: {text[-80:]!r}")
+                raise DatasetError(f"answer has no {fmt.answer_after!r} marker: {text[-80:]!r}")
             text = text.rsplit(fmt.answer_after, 1)[1]
         golds.append(text.strip())
     return golds
@@ -187,12 +192,12 @@ def load_records(path: str | Path, fmt: Format, limit: int | None = None) -> lis
         values = {name: _get(row, name) for name in (fmt.question, fmt.answer)}
         for name, value in values.items():
             if not _present(value):
-                raise ValueError(f"{where}: no field {name!r} (fields: {', '.join(sorted(row))})")
+                raise DatasetError(f"{where}: no field {name!r} (fields: {', '.join(sorted(row))})")
         try:
             question = _question_text(values[fmt.question])
             answer, *more = _golds(values[fmt.answer], fmt)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+        except DatasetError as exc:
+            raise DatasetError(f"{where}: {exc}") from None
         question = question.removeprefix(fmt.strip_prefix).removesuffix(fmt.strip_suffix).strip()
         ids = [v for v in (_get(row, c) for c in fmt.id) if _present(v)]
         meta = {c: v for c in fmt.meta if _present(v := _get(row, c))}
@@ -220,13 +225,13 @@ def resolve_format(format: str | Format | None, **overrides: Any) -> Format:
         return replace(format, **overrides)
     if format is None:
         if "question" not in overrides or "answer" not in overrides:
-            raise ValueError(
+            raise DatasetError(
                 "give a preset (format=...) or the field names (question=..., answer=...); "
                 f"presets: {', '.join(PRESETS)}"
             )
         return Format(**overrides)
     if format not in PRESETS:
-        raise ValueError(f"unknown dataset format {format!r}; presets: {', '.join(PRESETS)}")
+        raise DatasetError(f"unknown dataset format {format!r}; presets: {', '.join(PRESETS)}")
     return replace(PRESETS[format], **overrides)
 
 
@@ -243,7 +248,7 @@ def _split_by_prompt(
     )
 
 
-class FileTask(Task):
+class FileTask(GuardedTask):
     """A dataset from files, verified as math (math-verify) or QA (normalised match).
 
     Either ``path`` (one file, split by prompt into train and test with ``test_size``: a
@@ -254,8 +259,9 @@ class FileTask(Task):
 
     ``reward`` applies to QA data: ``"em"`` (default), ``"f1"``, ``"cem"`` or ``"pvpo"``;
     math data is 1.0 / 0.0 by ``math_equal``. ``correct`` is exact match for QA and the
-    reward for math. Verifier errors and timeouts score 0.0 and are counted in
-    ``self.verifier`` (a :class:`SafeVerifier`; log ``task.verifier.stats()``).
+    reward for math. Both are guarded (:class:`~anchor_rl.tasks.base.GuardedTask`): an
+    error or a timeout scores 0.0 / not solved and is counted in :meth:`verifier_stats`
+    (``self.verifier`` is the reward's guard, kept for its ``stats()``).
     Datasets give no reasoning traces, so ``trace`` raises.
     """
 
@@ -289,16 +295,17 @@ class FileTask(Task):
             kind=kind,
         )
         if self.format.kind not in ("math", "qa"):
-            raise ValueError(f"kind must be 'math' or 'qa', got {self.format.kind!r}")
+            raise DatasetError(f"kind must be 'math' or 'qa', got {self.format.kind!r}")
         if reward not in ("em", "f1", "cem", "pvpo"):
-            raise ValueError(f"reward must be 'em', 'f1', 'cem' or 'pvpo', got {reward!r}")
+            raise DatasetError(f"reward must be 'em', 'f1', 'cem' or 'pvpo', got {reward!r}")
         self.reward_kind = reward
         self.label = format if isinstance(format, str) else "custom"
         if path is not None and (train_path is not None or test_path is not None):
-            raise ValueError("give either path or train_path/test_path, not both")
+            raise DatasetError("give either path or train_path/test_path, not both")
+        self._source = ", ".join(str(p) for p in (path, train_path, test_path) if p)
         if path is not None:
             if test_size < 0:
-                raise ValueError(f"test_size must be >= 0, got {test_size}")
+                raise DatasetError(f"test_size must be >= 0, got {test_size}")
             train, test = _split_by_prompt(load_records(path, self.format, limit), test_size, seed)
         elif train_path is not None or test_path is not None:
             train = load_records(train_path, self.format, limit) if train_path else []
@@ -309,7 +316,7 @@ class FileTask(Task):
                 _log.warning("%d train records share a prompt with the test file; dropped", overlap)
                 train = [r for r in train if r.prompt not in test_prompts]
         else:
-            raise ValueError("FileTask needs path=... or train_path=... / test_path=...")
+            raise DatasetError("FileTask needs path=... or train_path=... / test_path=...")
         self._splits: dict[Split, list[Record]] = {"train": train, "test": test}
         if instruction is not None:
             self.instruction = instruction
@@ -318,11 +325,14 @@ class FileTask(Task):
                 "Reason step by step inside <think></think>, "
                 "then give the final answer inside <answer></answer>."
             )
-        self.verifier = SafeVerifier(self._score, on_error=0.0, name=f"file:{self.label}")
+        self.verifier = self.reward_guard
 
     def records(self, split: Split) -> list[Record]:
         if not self._splits[split]:
-            raise ValueError(f"file task {self.label!r} has no {split} records")
+            raise DatasetError(
+                f"file task {self.label!r} has no {split} records ({self._source}); "
+                "check the file has rows, or give test_size / test_path"
+            )
         return list(self._splits[split])
 
     @staticmethod
@@ -330,7 +340,8 @@ class FileTask(Task):
         """The gold answer and its aliases."""
         return [record.answer, *record.meta.get("aliases", [])]
 
-    def _score(self, completion: str, record: Record) -> float:
+    def score(self, completion: str, record: Record) -> float:
+        """The reward described above, unguarded (``reward`` guards it)."""
         if self.format.kind == "qa" and self.reward_kind == "pvpo":
             return pvpo.reward(completion, self.golds(record))
         pred = extract_answer(completion)
@@ -341,13 +352,10 @@ class FileTask(Task):
         metric = {"em": qa.exact_match, "f1": qa.f1, "cem": qa.cover_exact_match}[self.reward_kind]
         return metric(pred, self.golds(record))
 
-    def reward(self, completion: str, record: Record) -> float:
-        """The verdict of ``_score``; 0.0 (counted in ``self.verifier``) if it fails."""
-        return self.verifier(completion, record)
-
-    def correct(self, completion: str, record: Record) -> bool:
+    def verdict(self, completion: str, record: Record) -> bool:
+        """Math: the reward is 1.0; QA: exact match against the gold or an alias."""
         if self.format.kind == "math":
-            return self.reward(completion, record) >= 1.0
+            return self.score(completion, record) >= 1.0
         pred = extract_answer(completion)
         return pred is not None and qa.exact_match(pred, self.golds(record)) == 1.0
 

@@ -24,7 +24,7 @@ from typing import Literal
 from anchor_rl.rewards import pvpo, qa
 from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.tasks._generate import check_counts, mix
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import GuardedTask, Record, Split
 from anchor_rl.tools.parsing import format_result
 from anchor_rl.tools.search import SearchTool
 
@@ -142,7 +142,7 @@ def _finds(search: SearchTool, key: tuple[str, str], doc: int) -> bool:
     return bool(hits) and hits[0][0] == doc and (len(hits) == 1 or hits[0][1] > hits[1][1])
 
 
-class MultihopTask(Task):
+class MultihopTask(GuardedTask):
     """2..4-hop questions over a seeded knowledge base, with the ``search`` tool.
 
     Args:
@@ -239,7 +239,7 @@ class MultihopTask(Task):
     def records(self, split: Split) -> list[Record]:
         return list(self._splits[split])
 
-    def reward(self, completion: str, record: Record) -> float:
+    def score(self, completion: str, record: Record) -> float:
         """The configured reward: EM or F1 of the extracted answer (0.0 if none), or PVPO."""
         if self.reward_kind == "pvpo":
             return pvpo.reward(completion, record.answer, tools=tuple(self.tools))
@@ -252,7 +252,7 @@ class MultihopTask(Task):
             else qa.f1(pred, record.answer)
         )
 
-    def correct(self, completion: str, record: Record) -> bool:
+    def verdict(self, completion: str, record: Record) -> bool:
         """Exact match of the extracted answer, whatever the training reward."""
         pred = extract_answer(completion)
         return pred is not None and qa.exact_match(pred, record.answer) == 1.0

@@ -6,7 +6,8 @@ TRL's signature ``f(prompts, completions, **columns) -> list[float | None]`` (a 
 name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS` or an importable ``module:function``).
 The columns are ``answer`` (the record's gold answer), ``prompt_id`` and the record's
 ``meta`` fields. A ``None`` reward, a raising call and a timed-out one add nothing for that
-completion (the failures are counted, :attr:`RewardedTask.verifiers`).
+completion (the failures are counted, :attr:`RewardedTask.verifiers`, and
+:meth:`RewardedTask.verifier_stats` adds them to the task's own).
 
 What "correct" means does not change: ``correct`` stays the task's own verdict, the
 accuracy every metric and PVPO's group sampling read. The training reward, the anchors
@@ -23,7 +24,7 @@ from typing import Any
 
 from anchor_rl.rewards.functions import REWARD_FUNCTIONS, RewardFunction
 from anchor_rl.rewards.safe import SafeVerifier
-from anchor_rl.tasks.base import Record, Split, Task
+from anchor_rl.tasks.base import Record, Split, Task, sum_stats
 
 VERIFIER_TIMEOUT = 10.0
 """Seconds a reward function may take on one completion before it counts as failed."""
@@ -108,11 +109,22 @@ class RewardedTask(Task):
         return self.task.stop
 
     def reward_spec(self) -> dict[str, Any]:
-        return {"functions": self.functions, "weights": self.weights, "task_weight": self.task_weight}
+        return {
+            "functions": self.functions,
+            "weights": self.weights,
+            "task_weight": self.task_weight,
+        }
 
     def failures(self) -> dict[str, int]:
         """Reward-function calls that raised or timed out, per function."""
         return {name: v.failures + v.timeouts for name, v in self.verifiers.items()}
+
+    def verifier_stats(self) -> dict[str, int]:
+        """The task's own counts (its ``reward`` and ``correct``) plus the reward functions'."""
+        stats = dict(self.task.verifier_stats())
+        for key, value in sum_stats(*self.verifiers.values()).items():
+            stats[key] = stats.get(key, 0) + value
+        return stats
 
 
 def with_rewards(
@@ -123,4 +135,3 @@ def with_rewards(
     if not functions and task_weight == 1.0:
         return task
     return RewardedTask(task, functions, weights, task_weight)
-

@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.trainer.component import Component
@@ -73,15 +75,24 @@ def save_checkpoint(
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp_step_{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with quiet_transformers():
-        save_policy(model, tokenizer, tmp / "policy")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_states(generator), tmp / "rng.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **asdict(state)}, indent=2))
-    for name, component in (components or {}).items():
-        torch.save(component.state_dict(), tmp / f"{name}.pt")
+    try:
+        tmp.mkdir(parents=True)
+        with quiet_transformers():
+            save_policy(model, tokenizer, tmp / "policy")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_states(generator), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **asdict(state)}, indent=2))
+        for name, component in (components or {}).items():
+            torch.save(component.state_dict(), tmp / f"{name}.pt")
+    except (OSError, RuntimeError) as exc:  # disk full, quota, permissions: no partial files
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = list_checkpoints(run_dir)
+        kept = f"{previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+        raise AnchorRLError(
+            f"cannot write the checkpoint of step {state.step} in {root}: {exc} (disk full?); "
+            f"the partial files were removed and {kept}; free space, then --resume {run_dir}"
+        ) from exc
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in list_checkpoints(run_dir)[:-keep]:
@@ -95,6 +106,41 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.name.startswith("step_") and p.is_dir())
+
+
+def find_checkpoint(run_dir: Path, name: str | None = None) -> Path:
+    """The checkpoint ``name`` (``step_000040``) of a run, or its newest; AnchorRLError naming
+    the ones there are."""
+    if name is None:
+        return latest_checkpoint(run_dir)
+    found = {p.name: p for p in list_checkpoints(run_dir)}
+    if name not in found:
+        raise AnchorRLError(
+            f"{Path(run_dir) / CHECKPOINTS} has no checkpoint {name!r}; it has "
+            f"{', '.join(found) or 'none'}"
+        )
+    return found[name]
+
+
+@contextmanager
+def readable(path: Path) -> Iterator[None]:
+    """Turn an unreadable checkpoint file into an AnchorRLError naming it and offering the
+    previous checkpoint of the run when one is there."""
+    try:
+        yield
+    except AnchorRLError:
+        raise
+    except Exception as exc:  # a truncated or garbled file fails in many ways
+        step = path if path.name.startswith("step_") else path.parent
+        run_dir = step.parent.parent
+        older = [p for p in list_checkpoints(run_dir) if p.name < step.name]
+        offer = (
+            f"; the previous checkpoint {older[-1].name} is there: "
+            f"anchor-rl train --resume {run_dir} --from {older[-1].name}"
+            if older
+            else "; there is no earlier checkpoint (checkpoint.keep > 1 keeps more)"
+        )
+        raise AnchorRLError(f"cannot read the checkpoint {path}: {exc}{offer}") from exc
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -74,7 +74,9 @@ class Scored:
             task_rewards=self.task_rewards[rows],
             correct=self.correct[rows],
             off_policy=self.off_policy[rows],
-            draws=None if self.draws is None else [d for d, k in zip(self.draws, kept, strict=True) if k],
+            draws=None
+            if self.draws is None
+            else [d for d, k in zip(self.draws, kept, strict=True) if k],
         )
 
     @staticmethod
@@ -93,7 +95,9 @@ class Scored:
             task_rewards=torch.cat([p.task_rewards for p in parts]),
             correct=torch.cat([p.correct for p in parts]),
             off_policy=torch.cat([p.off_policy for p in parts]),
-            draws=None if any(p.draws is None for p in parts) else [d for p in parts for d in p.draws],
+            draws=None
+            if any(p.draws is None for p in parts)
+            else [d for p in parts for d in p.draws],
         )
 
 

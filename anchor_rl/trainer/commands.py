@@ -33,6 +33,12 @@ def train(
             "--resume", help="Continue the run in this directory from its last checkpoint."
         ),
     ] = None,
+    from_checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--from", help="With --resume: the checkpoint to continue from (e.g. step_000040)."
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option("--out", "-o", help="Run directory (default: runs/<preset>-<time>)."),
@@ -60,33 +66,29 @@ def train(
             typer.echo(f"| `{key}` | `{default}` | {doc} |")
         return
     overrides = overrides or []
-    try:
-        if resume is not None:
-            if preset is not None or out is not None:
-                raise ConfigError(
-                    "--resume takes the run's own preset and directory; drop --preset/--out"
-                )
-            resume_overrides = dict(parse_override(o) for o in overrides)
-            if show_config:
-                typer.echo((resume / "config.json").read_text())
-                return
-            from anchor_rl.trainer.loop import train as run_loop
-            from anchor_rl.trainer.run import resume_run
-
-            run = run_loop(resume_run(resume, resume_overrides))
-        else:
-            cfg = load_config(preset, overrides)
-            if show_config:
-                typer.echo(cfg.model_dump_json(indent=2))
-                return
-            from anchor_rl.trainer.loop import train as run_loop
-            from anchor_rl.trainer.run import start_run
-
-            run_dir = (
-                out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if from_checkpoint is not None and resume is None:
+        raise ConfigError("--from picks the checkpoint of a resumed run: add --resume RUN_DIR")
+    if resume is not None:
+        if preset is not None or out is not None:
+            raise ConfigError(
+                "--resume takes the run's own preset and directory; drop --preset/--out"
             )
-            run = run_loop(start_run(cfg, run_dir))
-    except (ConfigError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        resume_overrides = dict(parse_override(o) for o in overrides)
+        if show_config:
+            typer.echo((resume / "config.json").read_text())
+            return
+        from anchor_rl.trainer.loop import train as run_loop
+        from anchor_rl.trainer.run import resume_run
+
+        run = run_loop(resume_run(resume, resume_overrides, from_checkpoint))
+    else:
+        cfg = load_config(preset, overrides)
+        if show_config:
+            typer.echo(cfg.model_dump_json(indent=2))
+            return
+        from anchor_rl.trainer.loop import train as run_loop
+        from anchor_rl.trainer.run import start_run
+
+        run_dir = out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run = run_loop(start_run(cfg, run_dir))
     typer.echo(f"run finished: {run.run_dir} (metrics.jsonl, tb/, checkpoints/, summary.json)")

@@ -13,6 +13,7 @@ separate sections, and a preset only sets the knobs its paper sets.
 from __future__ import annotations
 
 import difflib
+import inspect
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from anchor_rl.errors import AnchorRLError, ConfigError
 from anchor_rl.trainer.critic_config import CriticConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
 from anchor_rl.trainer.v05_config import V05Config
@@ -35,10 +37,6 @@ from anchor_rl.trainer.v05_config import V05Config
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value, key or file is invalid; the message names the field."""
 
 
 class _Section(BaseModel):
@@ -76,23 +74,6 @@ class RolloutConfig(_Section):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return _registered("engine", value)
-
-    @model_validator(mode="after")
-    def _engine_options(self) -> RolloutConfig:
-        import inspect
-
-        from anchor_rl.rollout.engine import ENGINES
-
-        signature = inspect.signature(ENGINES.lookup(self.engine))
-        try:
-            signature.bind(None, None, **self.engine_args)
-        except TypeError as exc:
-            options = [p for p in list(signature.parameters)[2:]]
-            raise ValueError(
-                f"rollout.engine_args: {exc} (the {self.engine!r} engine takes "
-                f"{', '.join(options) or 'no options'})"
-            ) from None
-        return self
 
 
 class RewardConfig(_Section):
@@ -152,12 +133,22 @@ class FilterConfig(_Section):
         return "none" if value is None else value  # `filter.kind=none` parses as None
 
 
+def engines() -> Any:
+    """The engine registry with the built-in engines registered: ``hf``, ``http``
+    (anchor_rl.rollout.http) and ``ray`` (anchor_rl.cluster, Ray imported only when used)."""
+    import anchor_rl.cluster  # noqa: F401  (registers "ray")
+    import anchor_rl.rollout.http  # noqa: F401  (registers "http")
+    from anchor_rl.rollout.engine import ENGINES
+
+    return ENGINES
+
+
 def _registered(kind: str, name: str) -> str:
     """``name`` if it is a registered ``estimator``, ``policy loss``, ``engine`` or
     ``component``; the registries are imported here, at validation, so importing the config
     needs no torch."""
     if kind == "engine":
-        from anchor_rl.rollout.engine import ENGINES as registry
+        registry = engines()
     elif kind == "component":
         from anchor_rl.trainer.registry import COMPONENTS as registry
     elif kind == "estimator":
@@ -321,9 +312,9 @@ def load_plugin(name: str) -> None:
         sys.modules[module_name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception:
+        except Exception as exc:
             del sys.modules[module_name]
-            raise
+            raise _plugin_failed(name, exc) from exc
         return
     try:
         importlib.import_module(name)
@@ -331,6 +322,40 @@ def load_plugin(name: str) -> None:
         raise ValueError(
             f"plugin {name!r} cannot be imported ({exc}); name an importable module or a .py file"
         ) from None
+    except Exception as exc:
+        raise _plugin_failed(name, exc) from exc
+
+
+def _plugin_failed(name: str, exc: Exception) -> AnchorRLError:
+    """The error for a plugin whose own code raised on import: names the plugin, the line."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return AnchorRLError(
+        f"plugin {name!r} raised {type(exc).__name__}: {exc}{where} while importing "
+        "(--debug shows the traceback)"
+    )
+
+
+class ClusterConfig(_Section):
+    """Where a run's work goes beyond this process (docs/distributed.md)."""
+
+    rollout_workers: int = Field(0, ge=0)
+    """Ray actors that sample the rollouts (the built-in engine in each, groups kept together,
+    weights from the learner after every update; anchor_rl.cluster). 0: this process samples
+    (`rollout.engine`). Other Ray engine options go in `rollout.engine_args`
+    (`threads_per_worker`, `num_cpus_per_worker`, `num_gpus_per_worker`, `max_batch`)."""
+    address: str = "local"
+    """The Ray cluster of the rollout workers: `local` starts Ray in this process, `auto` joins
+    the cluster `ray start --head` started, or HOST:PORT."""
+    learners: int = Field(1, gt=0)
+    """Data-parallel learner ranks of the policy update (torch.distributed, gloo): this process
+    is rank 0, the others are spawned processes with replicas; the batch is sharded, the loss
+    normalisers are the whole batch's and the gradients are summed, so N learners take the
+    step one would. Checkpoints are rank 0's and resume on any count."""
+    threads_per_learner: int = Field(0, ge=0)
+    """torch threads of each spawned learner rank; 0: this process's thread count."""
 
 
 class TrainConfig(_Section):
@@ -383,6 +408,7 @@ class TrainConfig(_Section):
     pvpo: PVPOConfig = PVPOConfig()
     critic: CriticConfig = CriticConfig()
     v05: V05Config = V05Config()
+    cluster: ClusterConfig = ClusterConfig()
     components: list[str] = Field(default_factory=list)
     """Registered method components (anchor_rl.trainer.component.register_component) added to
     the run, in this order, after the built-in ones (PVPO, V0.5 and the critic, which the
@@ -420,6 +446,15 @@ class TrainConfig(_Section):
         if errors := combination_errors(self):
             raise ValueError("\n  ".join(errors))
         return self
+
+    @property
+    def engine(self) -> tuple[str, dict[str, Any]]:
+        """The engine the run samples with and its options: the Ray engine when
+        ``cluster.rollout_workers > 0``, else ``rollout.engine`` with ``rollout.engine_args``."""
+        if self.cluster.rollout_workers:
+            workers = {"workers": self.cluster.rollout_workers, "address": self.cluster.address}
+            return "ray", {**self.rollout.engine_args, **workers}
+        return self.rollout.engine, dict(self.rollout.engine_args)
 
     @property
     def needs_ref(self) -> bool:
@@ -613,8 +648,34 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
                 "samples from; use pvpo.teacher=oracle or rollout.top_p=1"
             )
 
+    if cfg.cluster.rollout_workers and cfg.rollout.engine not in ("hf", "ray"):
+        errors.append(
+            f"cluster.rollout_workers runs the built-in engine in Ray actors, not "
+            f"rollout.engine={cfg.rollout.engine}: drop one of them"
+        )
+    if not cfg.cluster.rollout_workers and _changed(cfg.cluster, ("address",)):
+        errors.append(_no_effect("cluster", ["address"], "cluster.rollout_workers=0 uses no Ray"))
+    name, options = cfg.engine
+    signature = inspect.signature(engines().lookup(name))
+    try:
+        signature.bind(None, None, **options)
+    except TypeError as exc:
+        takes = ", ".join(list(signature.parameters)[2:]) or "no options"
+        errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
+
+    if cfg.cluster.learners > 1:
+        if critic:
+            errors.append(
+                "cluster.learners > 1 with a critic (advantage.estimator=gae) is not built yet: "
+                "the critic's update runs on one learner; use cluster.learners=1"
+            )
+        if not cfg.device.startswith("cpu"):
+            errors.append(
+                f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "
+                "gloo on the CPU; NCCL ranks, one GPU each, are open work); use device=cpu"
+            )
 
     # --- the critic ------------------------------------------------------------------------
     if critic:

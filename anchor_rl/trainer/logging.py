@@ -8,13 +8,13 @@ reads. W&B and MLflow are imported only when asked for.
 from __future__ import annotations
 
 import json
-import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+from anchor_rl.errors import AnchorRLError
+from anchor_rl.progress import Progress, figure
 from anchor_rl.trainer.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -115,15 +115,37 @@ def open_sinks(
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
-    """The records of a metrics.jsonl file (a run directory or the file itself)."""
+    """The records of a metrics.jsonl file (a run directory or the file itself); a torn last
+    line (a process killed while writing it) is dropped with a warning."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a file a run appends to, one per line. Only the last line may be
+    torn (a kill -9 mid-write): it is dropped with a warning; a bad line before it is an
+    error naming the file and the line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise AnchorRLError(f"{path}, line {number}, is not JSON: {exc}") from None
+            warnings.warn(
+                f"{path}: dropped a torn last line ({len(line)} characters; a process stopped "
+                "while writing it)",
+                stacklevel=2,
+            )
+    return records
 
 
 class ProgressBar:
-    """A rich progress bar over steps showing the latest key figures."""
+    """Training progress over steps with the latest key figures (:class:`anchor_rl.progress.Progress`:
+    a bar on a terminal, a plain line every 30 s in a log file)."""
 
     FIGURES = {
         "reward/mean": "reward",
@@ -135,36 +157,24 @@ class ProgressBar:
     }
 
     def __init__(self, total: int, start: int = 0, enabled: bool = True) -> None:
-        self._progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[figures]}"),
-            disable=not enabled,
-        )
-        self._task = self._progress.add_task("train", total=total, completed=start, figures="")
+        self._progress = Progress("train", total, done=start, enabled=enabled)
         self._latest: dict[str, float] = {}
 
     def __enter__(self) -> ProgressBar:
-        self._progress.start()
+        self._progress.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+        self._progress.__exit__(*exc)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         self._latest.update({k: v for k, v in metrics.items() if k in self.FIGURES})
         figures = " ".join(
-            f"{self.FIGURES[k]} {_short(self._latest[k])}"
+            f"{self.FIGURES[k]} {figure(self._latest[k])}"
             for k in self.FIGURES
             if k in self._latest
         )
-        self._progress.update(self._task, completed=step, figures=figures)
-
-
-def _short(x: float) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
+        self._progress.update(step, info=figures)
 
 
 def _require(module: str, field: str):

@@ -24,7 +24,10 @@ from __future__ import annotations
 import time
 
 from anchor_rl.algos.losses import kl
+from anchor_rl.batch import minibatches
+from anchor_rl.errors import NonFiniteError
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
+from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import collect
 from anchor_rl.trainer.component import Step
 from anchor_rl.trainer.config import TrainConfig
@@ -74,11 +77,18 @@ def train_step(run: Run) -> dict[str, float]:
             for component in components:
                 component.on_advantages(step)
             adv = step.advantages
-            # 6: policy update
-            metrics |= ppo_update(
-                run.policy, run.optimizer, run.scheduler, batch, mask,
-                old_logp, ref_logp, adv, scored.correct, cfg, run.generator,
-            )  # fmt: skip
+            # 6: policy update, here or on the data-parallel learners (cluster.learners > 1)
+            if cfg.cluster.learners > 1:
+                oc = cfg.optim
+                schedule = list(minibatches(len(batch), oc.epochs, oc.mini_batches, run.generator))
+                metrics |= run.learner_group().update(
+                    batch, mask, old_logp, ref_logp, adv, scored.correct, schedule
+                )
+            else:
+                metrics |= ppo_update(
+                    run.policy, run.optimizer, run.scheduler, batch, mask,
+                    old_logp, ref_logp, adv, scored.correct, cfg, run.generator,
+                )  # fmt: skip
             run.engine.sync_weights(run.policy.state_dict())  # the next rollouts' weights
         metrics |= advantage_metrics(adv, mask)
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
@@ -111,7 +121,10 @@ def train(run: Run) -> Run:
                 for component in run.components.values():
                     before |= component.before_step(state.step + 1)
                 started = time.perf_counter()
-                metrics = train_step(run) | before
+                try:
+                    metrics = train_step(run) | before
+                except NonFiniteError as exc:
+                    raise NonFiniteError(_diverged(run, str(exc))) from None
                 state.step += 1
                 last = state.step == cfg.steps or _out_of_time(
                     cfg, state.elapsed + time.perf_counter() - started
@@ -126,8 +139,27 @@ def train(run: Run) -> Run:
     finally:
         for sink in sinks:
             sink.close()
+        run.close()
     write_summary(run, metrics)
     return run
+
+
+def _diverged(run: Run, cause: str) -> str:
+    """The message of a step whose loss or gradient turned NaN/Inf: where, what survives, what
+    to try."""
+    found = list_checkpoints(run.run_dir)
+    kept = (
+        f"the last good checkpoint is {found[-1]} (resume it with --resume {run.run_dir})"
+        if found
+        else "no checkpoint was written yet"
+    )
+    oc = run.cfg.optim
+    return (
+        f"step {run.state.step + 1}: {cause} is not finite; the step was not applied or saved, "
+        f"{kept}. Try a lower optim.lr (now {oc.lr:g}), a lower optim.grad_clip (now "
+        f"{oc.grad_clip:g}), loss.clip_c=3 for large negative advantages, or check the rewards "
+        "for NaN"
+    )
 
 
 def _out_of_time(cfg: TrainConfig, elapsed: float) -> bool:

@@ -178,7 +178,8 @@ def presample_anchors(setup: Setup) -> AnchorSet:
     params = presample_params(cfg, task)
     key = reference_key(cfg, task, tokenizer, reference)
     store = AnchorStore(store_path(cfg.pvpo))
-    engine = make_engine(cfg.rollout.engine, reference, tokenizer, **cfg.rollout.engine_args)
+    name, options = cfg.engine
+    engine = make_engine(name, reference, tokenizer, **options)
     sampler = RolloutSampler(engine, task, params)
     pc = cfg.pvpo
     records = list(setup.records)

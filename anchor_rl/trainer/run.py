@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos.registry import get_estimator
-from anchor_rl.models.loading import disable_dropout, load_policy
+from anchor_rl.errors import AnchorRLError
+from anchor_rl.models.loading import check_device, disable_dropout, load_policy
 from anchor_rl.models.spec import load_spec, quiet_transformers
 from anchor_rl.rollout.engine import Engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
-from anchor_rl.tasks import get_task
+from anchor_rl.tasks import TASKS, get_task
 from anchor_rl.tasks.base import Task
 from anchor_rl.tasks.reward_set import with_rewards
 from anchor_rl.trainer import checkpoint
@@ -36,8 +40,10 @@ from anchor_rl.trainer.component import COMPONENTS, Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
+from anchor_rl.trainer.learners import LearnerGroup
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors
 from anchor_rl.trainer.state import TrainState
+from anchor_rl.trainer.update import make_optimizer
 from anchor_rl.trainer.v05 import V05
 from anchor_rl.trainer.v05_probe import V05Probe
 
@@ -65,6 +71,21 @@ class Run:
     state: TrainState
     components: dict[str, Component]
     """The method components (:func:`build_components`), in the order the loop calls them."""
+    learners: LearnerGroup | None = None
+    """The data-parallel learner ranks (``cluster.learners > 1``), started on first use."""
+
+    def learner_group(self) -> LearnerGroup:
+        """The learner ranks 1..N-1 beside this process (rank 0), started on first use, after
+        a resumed run has restored its optimiser."""
+        if self.learners is None:
+            self.learners = LearnerGroup(self.cfg, self.policy, self.optimizer, self.scheduler)
+        return self.learners
+
+    def close(self) -> None:
+        """Stop the learner ranks, if any."""
+        if self.learners is not None:
+            self.learners.close()
+            self.learners = None
 
     def save(self) -> Path:
         """Checkpoint the current step."""
@@ -76,10 +97,16 @@ class Run:
 
 
 def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
-    """A new run in ``run_dir`` (created; refuses one that already holds a run)."""
+    """A new run in ``run_dir`` (created).
+
+    A directory that holds a run is refused with what to do: ``--resume`` when it has a
+    checkpoint, another ``--out`` when its config differs. One whose run stopped before its
+    first checkpoint (or whose set-up failed) holds nothing to lose: the run starts over in it.
+    """
     run_dir = Path(run_dir)
     if (run_dir / CONFIG_FILE).exists():
-        raise FileExistsError(f"{run_dir} already holds a run; resume it with --resume {run_dir}")
+        _check_reusable(cfg, run_dir)
+    check_device(cfg.device)
     task = load_task(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     _seed_everything(cfg.seed)
@@ -92,38 +119,69 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
     return _assemble(cfg, run_dir, task, policy, tokenizer, TrainState())
 
 
-def resume_run(run_dir: Path, overrides: dict[str, object] | None = None) -> Run:
-    """The run in ``run_dir`` restored from its newest checkpoint.
+def _check_reusable(cfg: TrainConfig, run_dir: Path) -> None:
+    """AnchorRLError unless ``run_dir`` holds a run of ``cfg`` that never saved a checkpoint."""
+    stored = json.loads((run_dir / CONFIG_FILE).read_text())
+    fresh = cfg.model_dump(mode="json")
+    changed = sorted(
+        key
+        for key in set(stored) | set(fresh)
+        if stored.get(key) != fresh.get(key) and key not in ("steps", "time_limit")
+        and not any(key == k.rstrip(".") for k in RESUMABLE_KEYS)
+    )  # fmt: skip
+    if changed:
+        raise AnchorRLError(
+            f"{run_dir} holds another run (its config differs in {', '.join(changed)}); "
+            "choose another --out, or delete the directory"
+        )
+    if checkpoint.list_checkpoints(run_dir):
+        raise AnchorRLError(
+            f"{run_dir} already holds this run, with checkpoints: continue it with "
+            f"anchor-rl train --resume {run_dir}"
+        )
+
+
+def resume_run(
+    run_dir: Path, overrides: dict[str, object] | None = None, from_checkpoint: str | None = None
+) -> Run:
+    """The run in ``run_dir`` restored from its newest checkpoint (or ``from_checkpoint``,
+    a checkpoint directory's name such as ``step_000040``).
 
     ``overrides`` (dotted keys) may change only the fields in ``RESUMABLE_KEYS``; the
-    stored config is updated with them.
+    stored config is updated with them. A run that stopped before its first checkpoint
+    starts again from step 0 with its stored config.
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{run_dir} holds no run ({CONFIG_FILE} missing)")
+        raise AnchorRLError(f"{run_dir} holds no run ({CONFIG_FILE} missing); start one there")
     table = json.loads((run_dir / CONFIG_FILE).read_text())
     overrides = overrides or {}
     for key in overrides:
         if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
             raise ConfigError(
-                f"{key!r} cannot change on resume (only steps, eval.*, checkpoint.*, log.*): "
-                "it would change what the run learns"
+                f"{key!r} cannot change on resume (only steps, time_limit, eval.*, checkpoint.*, "
+                "log.*): it would change what the run learns; start a new run with --out"
             )
     cfg = build_config(apply_overrides(table, overrides))
-    path = checkpoint.latest_checkpoint(run_dir)
+    if not checkpoint.list_checkpoints(run_dir):  # stopped before its first checkpoint
+        (run_dir / CONFIG_FILE).unlink()
+        return start_run(cfg, run_dir)
+    path = checkpoint.find_checkpoint(run_dir, from_checkpoint)
     state = checkpoint.load_train_state(path)
     if state.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {state.step}")
+    check_device(cfg.device)
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     task = load_task(cfg)
 
-    with quiet_transformers():
+    with quiet_transformers(), checkpoint.readable(path / "policy"):
         policy, tokenizer = load_policy(path / "policy", device=cfg.device)
     if cfg.disable_dropout:
         disable_dropout(policy)
     run = _assemble(cfg, run_dir, task, policy, tokenizer, state, resuming=True)
-    checkpoint.load_training_states(path, run.optimizer, run.scheduler, run.generator)
-    checkpoint.load_components(path, run.components)
+    with checkpoint.readable(path):
+        checkpoint.load_training_states(path, run.optimizer, run.scheduler, run.generator)
+        checkpoint.load_components(path, run.components)
     return run
 
 
@@ -131,12 +189,35 @@ def load_task(cfg: TrainConfig) -> Task:
     """The task the config names, its reward replaced per ``reward.functions`` and
     ``reward.task_weight`` when they ask (``tasks.reward_set``); ConfigError naming
     ``task``/``task_args`` if it is not one."""
+    _check_task_args(cfg.task, cfg.task_args)
     try:
         task = get_task(cfg.task, **cfg.task_args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"task={cfg.task!r} task_args={cfg.task_args}: {e}") from None
     rc = cfg.reward
     return with_rewards(task, rc.functions, rc.weights, rc.task_weight)
+
+
+def _check_task_args(name: str, task_args: dict[str, Any]) -> None:
+    """ConfigError naming ``task_args.KEY`` and the type it wants when a value has another
+    type (checked against the task constructor's annotations)."""
+    cls = TASKS.get(name)
+    if cls is None:
+        return  # get_task names the valid tasks
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in task_args.items():
+        if key not in hints:
+            continue  # get_task names the valid arguments
+        try:
+            TypeAdapter(hints[key]).validate_python(value, strict=False)
+        except ValidationError:
+            raise ConfigError(
+                f"task_args.{key}={value!r}: task {name!r} wants {_type_name(hints[key])}"
+            ) from None
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 def evaluate_policy(run: Run, step: int) -> dict[str, float]:
@@ -176,13 +257,15 @@ def evaluate_model(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> d
 
 def counters(run: Run) -> dict[str, float]:
     """The cumulative counters as metrics: the policy's ``rollouts/cumulative`` and
-    ``tokens/cumulative``, each component's (PVPO's ``rollouts/presample`` and
+    ``tokens/cumulative``, the verifier calls that raised or timed out (``verifier/failures``,
+    ``verifier/timeouts``; they scored 0), each component's (PVPO's ``rollouts/presample`` and
     ``rollouts/refresh``, VAPO's ``rollouts/value_pretrain``...), and ``rollouts/total``,
     the policy's rollouts plus every component's ``rollouts/*``."""
     out = {
         "rollouts/cumulative": float(run.state.rollouts),
         "tokens/cumulative": float(run.state.tokens),
     }
+    out |= {f"verifier/{k}": float(v) for k, v in run.task.verifier_stats().items()}
     total = float(run.state.rollouts)
     for component in run.components.values():
         extra = component.counters()
@@ -247,14 +330,7 @@ def _assemble(
     state: TrainState,
     resuming: bool = False,
 ) -> Run:
-    oc = cfg.optim
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=oc.lr, betas=oc.betas, weight_decay=oc.weight_decay
-    )
-    warmup = oc.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
+    optimizer, scheduler = make_optimizer(cfg, policy.parameters())
     setup = Setup(
         cfg=cfg,
         run_dir=run_dir,
@@ -262,7 +338,7 @@ def _assemble(
         records=task.records("train")[: cfg.train_prompts],
         policy=policy,
         tokenizer=tokenizer,
-        engine=make_engine(cfg.rollout.engine, policy, tokenizer, **cfg.rollout.engine_args),
+        engine=make_engine(cfg.engine[0], policy, tokenizer, **cfg.engine[1]),
         generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
         resuming=resuming,
     )

@@ -16,7 +16,9 @@ its value loss there.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -24,8 +26,10 @@ from torch import Tensor
 from anchor_rl.algos.losses import agg, kl, nll
 from anchor_rl.algos.registry import get_policy_loss
 from anchor_rl.batch import RolloutBatch, minibatches
+from anchor_rl.errors import NonFiniteError
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.distributed import DataParallel
 
 
 @torch.no_grad()
@@ -125,6 +129,20 @@ def loss_terms(
     return terms, metrics
 
 
+def make_optimizer(
+    cfg: TrainConfig, params: Iterable[torch.nn.Parameter]
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The policy's AdamW (``optim.lr``, ``betas``, ``weight_decay``) and its schedule: a linear
+    warm-up over ``optim.warmup_steps`` optimiser steps, then constant."""
+    oc = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=oc.betas, weight_decay=oc.weight_decay)
+    warmup = oc.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
+    return optimizer, scheduler
+
+
 def ppo_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -136,23 +154,38 @@ def ppo_update(
     adv: Tensor,
     correct: Tensor,
     cfg: TrainConfig,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
+    *,
+    schedule: Iterable[Tensor] | None = None,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """Epochs of clipped policy-gradient steps on one batch; returns averaged metrics.
 
     Args:
         batch: B responses; mask, old_logp, ref_logp, adv: ``[B, T]``; correct: BoolTensor[B].
-        generator: shuffles the responses into mini-batches when there are several.
+        generator: shuffles the responses into mini-batches when there are several
+            (``schedule``, the mini-batches' row indices, replaces it when given).
+        dp: this process's rank among data-parallel learners (``trainer.distributed``):
+            it backpropagates its share of every mini-batch, with the mini-batch's own loss
+            normalisers, and the gradients are summed over the ranks before the step, so
+            every rank takes the step one process would take on the whole mini-batch.
     """
     oc = cfg.optim
+    if schedule is None:
+        assert generator is not None
+        schedule = minibatches(len(batch), oc.epochs, oc.mini_batches, generator)
     model.train()
     sums: dict[str, float] = defaultdict(float)
     steps = 0
-    for rows in minibatches(len(batch), oc.epochs, oc.mini_batches, generator):
+    for rows in schedule:
         if len(rows) == 0:
             continue
-        stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg)
+        stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg, dp)
+        if dp is not None:
+            stats = dp.sum_stats(stats)
+            dp.sum_grads(model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        check_finite("the policy update", stats | {"grad_norm": grad_norm.item()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -165,6 +198,15 @@ def ppo_update(
     return metrics
 
 
+def check_finite(stage: str, values: dict[str, float]) -> None:
+    """NonFiniteError naming ``stage`` and the first NaN or infinite value of ``values``
+    (call it before the optimiser step, so the weights stay as they were)."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        shown = ", ".join(f"{k} = {v}" for k, v in list(bad.items())[:3])
+        raise NonFiniteError(f"{stage}: {shown}")
+
+
 def _accumulate(
     model: torch.nn.Module,
     batch: RolloutBatch,
@@ -175,8 +217,10 @@ def _accumulate(
     adv: Tensor,
     correct: Tensor,
     cfg: TrainConfig,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
-    """Backpropagate the mini-batch ``rows`` in micro-batches; returns its metrics."""
+    """Backpropagate the mini-batch ``rows`` (this rank's share of it, with ``dp``) in
+    micro-batches; returns its metrics (this rank's share of each sum)."""
     device = next(model.parameters()).device
     totals = {
         name: _count(w, mode)
@@ -184,7 +228,9 @@ def _accumulate(
     }
     tokens = mask[rows].sum().clamp(min=1)
     stats: dict[str, float] = defaultdict(float)
-    for part in torch.split(rows, cfg.optim.micro_batch_size or len(rows)):
+    mine = rows if dp is None else dp.shard(rows)
+    parts = torch.split(mine, cfg.optim.micro_batch_size or len(mine)) if len(mine) else ()
+    for part in parts:
         m, c = mask[part].to(device), correct[part].to(device)
         ref = None if ref_logp is None else ref_logp[part].to(device)
         logp, _ = token_logprobs(model, batch.select(part), temperature=cfg.rollout.temperature)

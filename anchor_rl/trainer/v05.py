@@ -248,7 +248,10 @@ def top_up(
             request
             for g in wanted
             for request in train_requests(
-                [scored.records[g]], [scored.draws[g]], int(extra[g]), cfg.seed,
+                [scored.records[g]],
+                [scored.draws[g]],
+                int(extra[g]),
+                cfg.seed,
                 first=int(have[g]),
             )  # fmt: skip
         ]

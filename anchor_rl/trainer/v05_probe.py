@@ -43,6 +43,7 @@ from anchor_rl.rollout.engine import group_requests
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.collect import sampling_params, score
 from anchor_rl.trainer.component import Component, Setup
+from anchor_rl.trainer.logging import read_jsonl
 from anchor_rl.trainer.v05 import (
     V05,
     embed_groups,
@@ -292,4 +293,4 @@ def read_probe(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / PROBE_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)

@@ -86,7 +86,8 @@ def test_a_registered_estimator_is_callable_by_name_and_names_are_unique():
     try:
         rewards = torch.tensor([1.0, 0.5])
         torch.testing.assert_close(
-            registry.compute_advantage("test_double_reward", rewards=rewards, index=None), 2 * rewards
+            registry.compute_advantage("test_double_reward", rewards=rewards, index=None),
+            2 * rewards,
         )
         with pytest.raises(ValueError, match="already registered"):
             registry.register_advantage("grpo", inputs=("rewards",))(double)

@@ -280,3 +280,28 @@ def test_kill_minus_nine_then_rerun_finishes_without_redoing(tmp_path):
     for pid, n, n_correct, reward_sum in rows:
         solved = min(int(pid[1:]) % (m + 1), m)
         assert (n, n_correct, reward_sum) == (m, solved, float(solved)), pid
+
+
+def test_a_second_process_on_the_same_key_waits_and_samples_nothing(tmp_path):
+    db, log1, log2 = tmp_path / "two.db", tmp_path / "first.log", tmp_path / "second.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(db), "16", "2", "2", "0.8"]  # 16 prompts, M = 2, 2 per call, 0.8 s per call
+    first = subprocess.Popen(
+        [sys.executable, str(WORKER), str(db), str(log1), *args[1:]], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (log1.exists() and log1.read_text()):  # the first one holds the key
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+        time.sleep(0.02)
+    second = subprocess.run(
+        [sys.executable, str(WORKER), str(db), str(log2), *args[1:]], env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
+    assert f"process {first.pid} is presampling key" in second.stderr
+    assert "waiting for it" in second.stderr
+    assert "rollouts=0 reused=16" in second.stdout  # it sampled nothing: all was there
+    assert not log2.exists() or log2.read_text() == ""
+    assert "rollouts=32" in out

@@ -51,7 +51,7 @@ def test_quickstart_runs_end_to_end_and_reports(tmp_path, monkeypatch) -> None:
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "pvpo.json").read_text())["prompts"] == 4
     again = runner.invoke(app, ["quickstart", "--out", str(out), "--steps", "2", *TINY])
-    assert again.exit_code == 2 and "already holds a run" in again.output
+    assert again.exit_code == 2 and "already holds this run, with checkpoints" in again.output
     bad = runner.invoke(app, ["quickstart", "--task", "chess", "--out", str(tmp_path / "b")])
     assert bad.exit_code == 2 and "chess" in bad.output
     assert not (tmp_path / "b").exists()

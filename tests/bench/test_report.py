@@ -204,7 +204,7 @@ def test_report_cli_errors(tmp_path) -> None:
     missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "is not a directory" in missing.output
     empty = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
-    assert empty.exit_code == 2 and "no bench results" in empty.output
+    assert empty.exit_code == 2 and "no results under" in empty.output
 
 
 def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> None:
@@ -216,3 +216,21 @@ def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> 
     assert suites == ["synthetic", "synthetic (synthetic_long)"]
     by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
     assert len(measure_claim(by[("final_gain", "dapo", "grpo")], results)) == 2
+
+
+@pytest.mark.slow
+def test_a_training_run_directory_gets_its_own_report(tmp_path) -> None:
+    from anchor_rl.cli import app
+
+    run = tmp_path / "run"
+    args = ["train", "model=random:tiny", "train_prompts=4", "steps=2", "rollout.prompts_per_step=2",
+            "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1", "eval.prompts=4",
+            "log.progress=false", "log.tensorboard=false", "--out", str(run)]  # fmt: skip
+    assert CliRunner().invoke(app, args).exit_code == 0
+    result = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "### Suite `run run` (task `arithmetic`)" in report
+    assert "| run | run run | 1 |" in report  # label: the preset, or the directory's name
+    results = load_results([tmp_path])
+    assert [m.label for m in results.methods] == ["run"]

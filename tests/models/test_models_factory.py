@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import SIZES, build_model, model_config, num_parameters
 from anchor_rl.models.loading import load_policy, save_policy
 from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
@@ -53,5 +54,5 @@ def test_save_and_reload_give_identical_ids_and_logits(tmp_path):
 
 
 def test_load_policy_rejects_a_non_model_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(AnchorRLError, match="no config.json"):
         load_policy(tmp_path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from seeded import requests
+from helpers import requests
 
 from anchor_rl.models.tokenizer import encode_completion
 from anchor_rl.rollout.agent import tool_result
@@ -28,7 +28,9 @@ class Broken:
 
 def rollout(model, tokenizer, prompts, tools, **params):
     params = {"max_new_tokens": 200, "stop": ["</answer>"], **params}
-    return HFEngine(model, tokenizer).rollout(requests(prompts), SamplingParams(**params), tools=tools)
+    return HFEngine(model, tokenizer).rollout(
+        requests(prompts), SamplingParams(**params), tools=tools
+    )
 
 
 def test_tool_result_is_appended_attended_and_masked(tokenizer, scripted):

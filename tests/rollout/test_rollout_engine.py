@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from seeded import requests
+from helpers import requests
 
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import token_logprobs
@@ -150,7 +150,9 @@ def test_multi_token_stop_string_matches_text(tokenizer, scripted):
 
 def test_prompt_plus_budget_beyond_context_is_an_error(tokenizer, tiny_model):
     with pytest.raises(ValueError, match="positions"):
-        HFEngine(tiny_model, tokenizer).rollout(requests(["x"]), SamplingParams(max_new_tokens=2000))
+        HFEngine(tiny_model, tokenizer).rollout(
+            requests(["x"]), SamplingParams(max_new_tokens=2000)
+        )
 
 
 def test_sync_weights_is_free_for_the_own_model_and_copies_others(tokenizer):

@@ -3,7 +3,13 @@ import re
 
 import pytest
 
-from anchor_rl.tasks.arithmetic import ArithmeticTask, difficulty, make_expression, parse_int
+from anchor_rl.tasks.arithmetic import (
+    MAX_INT_DIGITS,
+    ArithmeticTask,
+    difficulty,
+    make_expression,
+    parse_int,
+)
 from anchor_rl.tasks.base import Record
 from anchor_rl.tasks.countdown import evaluate
 
@@ -92,10 +98,36 @@ def test_reward(completion, reward):
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("29", 29), (" -3 ", -3), ("+4", 4), ("1,000", 1000), ("2.0", None), ("", None), (None, None)],
+    [
+        ("29", 29),
+        (" -3 ", -3),
+        ("+4", 4),
+        ("1,000", 1000),
+        ("2.0", None),
+        ("", None),
+        (None, None),
+        ("-", None),
+        ("+-4", None),
+        ("²", None),  # a digit to str.isdigit, but int() refuses it: it raised before
+        ("٣", 3),  # a Unicode decimal digit, as int() reads it
+        ("9" * MAX_INT_DIGITS, 10**MAX_INT_DIGITS - 1),
+        ("-" + "9" * (MAX_INT_DIGITS + 1), None),  # over the cap: not converted
+        ("9" * 5000, None),  # beyond Python's 4,300-digit conversion limit: it raised before
+        ("0" * 5000 + "29", 29),  # leading zeros are not significant digits
+    ],
 )
 def test_parse_int(text, value):
     assert parse_int(text) == value
+
+
+def test_an_answer_of_5000_digits_scores_zero_without_a_failure():
+    """It raised ValueError out of the reward (the int-string conversion limit)."""
+    task = ArithmeticTask(n_train=1, n_test=1)
+    record = Record("x", "12+7*3-4", "29", {})
+    assert task.reward(f"<answer>{'9' * 5000}</answer>", record) == 0.0
+    assert task.correct(f"\\boxed{{{'9' * 5000}}}", record) is False
+    assert task.reward(f"<answer>{'0' * 5000}29</answer>", record) == 1.0
+    assert task.verifier_stats() == {"failures": 0, "timeouts": 0}  # bounded, not just guarded
 
 
 def test_rejects_bad_levels_and_impossible_counts():

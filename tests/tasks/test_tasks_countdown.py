@@ -27,6 +27,9 @@ from anchor_rl.tasks.countdown import CountdownTask, check, evaluate
         ("9+7=16", [7, 9], 16, False),
         ("__import__('os').getpid()", [1], 1, False),
         ("(" * 300 + "1" + ")" * 300, [1], 1, False),
+        ("3\x00+7", [3, 7], 10, False),  # NUL: ast.parse raises, the check says no
+        ("3+7\ud800", [3, 7], 10, False),  # a lone surrogate: UnicodeEncodeError, no
+        ("9" * 5000, [1], 1, False),  # over MAX_EXPRESSION_CHARS: never parsed
         ("", [1], 1, False),
     ],
 )

@@ -219,6 +219,8 @@ def test_verifier_failures_are_counted(tmp_path, monkeypatch):
     assert task.reward("<answer>7</answer>", record) == 0.0
     assert task.reward("no answer at all", record) == 0.0  # never reaches the verifier
     assert task.verifier.stats() == {"calls": 2, "failures": 0, "timeouts": 1}
+    assert task.correct("<answer>7</answer>", record) is False  # correct is guarded too
+    assert task.verifier_stats() == {"failures": 0, "timeouts": 2}
 
 
 @pytest.mark.parametrize(

@@ -4,35 +4,18 @@ built-in in-process engine; nothing outside anchor_rl.rollout builds a concrete 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import subprocess_engine
 import torch
+from helpers import metrics_but_timings
 
 import anchor_rl
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import start_run
-
-
-@pytest.fixture
-def one_thread():
-    """The child samples with one thread; so must the in-process run it is compared with."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(subprocess_engine.THREADS)
-    yield
-    torch.set_num_threads(before)
-
-
-def _values(run_dir: Path) -> list[dict]:
-    return [
-        {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()
-         if not k.startswith("time/") and "seconds" not in k}
-        for r in read_metrics(run_dir)
-    ]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -55,7 +38,7 @@ def test_the_same_seeded_run_through_another_engine(
     remote = start_run(load_config(preset, remote_cfg), tmp_path / "sub")
     assert isinstance(remote.engine, subprocess_engine.SubprocessEngine)
     remote = train(remote)
-    assert _values(local.run_dir) == _values(remote.run_dir)
+    assert metrics_but_timings(local.run_dir) == metrics_but_timings(remote.run_dir)
     assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(local.run_dir))  # real updates
     assert remote.engine.syncs == 1 + 3  # the initial weights, then after every update
     for key, value in local.policy.state_dict().items():

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from helpers import requests
 from safetensors.torch import load_file
-from seeded import requests
 from typer.testing import CliRunner
 
 from anchor_rl.batch import RolloutBatch
@@ -60,7 +60,9 @@ def test_one_step_of_every_preset_writes_all_metrics(preset, parity, tiny, tmp_p
     # reinforce_pp*: no loss term), or nowhere (dapo, drgrpo); kl.track logs it in every case
     in_loss = preset == "grpo"
     assert ("loss/kl" in records[1]) == in_loss
-    assert (cfg.kl.coef > 0) == (preset in {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})
+    assert (cfg.kl.coef > 0) == (
+        preset in {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    )
     assert "kl/ref" in records[1] and records[1]["kl/ref"] >= 0
 
 
@@ -209,8 +211,8 @@ def test_resume_refuses_to_change_what_the_run_learns(parity, tiny, tmp_path) ->
     (run_dir / "config.json").write_text(load_config("grpo", tiny).model_dump_json())
     with pytest.raises(ConfigError, match="kl.coef"):
         resume_run(run_dir, {"kl.coef": 0.5})
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        resume_run(run_dir, {"steps": 9})
+    # no checkpoint yet (it stopped during set-up): --resume starts it from step 0
+    assert resume_run(run_dir, {"steps": 9}).state.step == 0
 
 
 @pytest.mark.parametrize("sink", ["wandb", "mlflow"])
@@ -235,8 +237,10 @@ def test_cli_trains_and_rejects_bad_input(parity, tiny, tmp_path) -> None:
     )
     assert bad.exit_code == 2 and "rollout.n" in bad.output
     assert not (tmp_path / "bad").exists()  # failed before any work
-    again = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "--out", str(out)])
-    assert again.exit_code == 2 and "--resume" in again.output
+    same = runner.invoke(app, ["train", "--preset", "drgrpo", *tiny, "steps=1", "--out", str(out)])
+    assert same.exit_code == 2 and f"continue it with anchor-rl train --resume {out}" in same.output
+    other = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "--out", str(out)])
+    assert other.exit_code == 2 and "holds another run" in other.output
 
 
 def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(

@@ -1,0 +1,712 @@
+"""The ``http`` engine: the :class:`~anchor_rl.rollout.engine.Engine` protocol against any
+OpenAI-compatible ``/v1/completions`` server (``anchor-rl serve``, vLLM, SGLang, ...).
+
+The client does what :class:`~anchor_rl.rollout.engine.HFEngine` does around the model: it
+renders each prompt (``encode_prompt``), sends the token ids, runs the agent loop (tools run
+here, between turns, their output masked out of the loss) and packs the
+:class:`~anchor_rl.batch.RolloutBatch`. The server only samples turns. Each turn asks for
+the sampled tokens' log-probs (``logprobs``) as token ids (vLLM's
+``return_tokens_as_token_ids``); a server that answers with token strings instead has its
+text re-tokenised here and checked against them (:class:`TokenMismatchError`).
+
+Seeds. Every request carries the ``seeds`` and ``counters`` extension of ``anchor-rl serve``
+(one raw seed per choice, and the counter of its first token): that server then draws
+token ``t`` of a response with ``uniforms(seed, t)``, exactly as the in-process engine does,
+so an ``http`` rollout of ``Request(seed=S)`` gives the tokens ``hf`` gives. Other servers
+ignore the extension and get the standard ``seed`` field (one request per response).
+
+``batched`` mode (the default against ``anchor-rl serve``, detected from ``GET /v1/models``)
+sends each turn of up to ``max_batch`` rows as one request, the rows the in-process engine
+would put in one forward batch; otherwise one request per row, ``concurrency`` at a time.
+
+Weights: :meth:`HTTPEngine.sync_weights` saves the state dict as a safetensors file and
+posts its path to ``POST /v1/weights``, the reload endpoint of ``anchor-rl serve`` (the
+server must see the file). OpenAI-compatible servers have no common reload API.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from anchor_rl.batch import RolloutBatch
+from anchor_rl.errors import AnchorRLError
+from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.agent import Response, tool_result
+from anchor_rl.rollout.engine import Engine, Request, pack, register_engine, request_seed
+from anchor_rl.rollout.sampling import EOS, StopSet
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.tools.base import Tool
+
+__all__ = [
+    "Client",
+    "HTTPEngine",
+    "ServerError",
+    "ServerInfo",
+    "ServerUnreachableError",
+    "TokenMismatchError",
+    "base_url",
+    "connect",
+    "load_tokenizer",
+    "parse_http_spec",
+]
+
+RETRY_STATUS = frozenset({500, 502, 503, 504})
+"""HTTP statuses retried with back-off (a server restarting or overloaded); other errors are final."""
+
+TurnResult = tuple[list[int], list[float], str | None]
+"""One turn of one row: (token ids, their log-probs, the server's finish_reason)."""
+
+
+class ServerUnreachableError(AnchorRLError, ConnectionError):
+    """The server could not be reached (connection refused, reset, timed out) after the retries."""
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error status (its message included) or an unreadable body."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TokenMismatchError(ValueError):
+    """The server's tokens are not the client tokenizer's tokens of its text.
+
+    detail: what differs (token counts and the first difference), for a caller's own message.
+    """
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def base_url(url: str) -> str:
+    """The API base of ``url``: ``http://host:port`` becomes ``http://host:port/v1``; a URL
+    with a path (``.../v1``) is kept (trailing slashes dropped). ValueError if it is not http(s)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
+    path = parts.path.rstrip("/")
+    return f"{parts.scheme}://{parts.netloc}{path or '/v1'}"
+
+
+def parse_http_spec(spec: str) -> tuple[str, str | None]:
+    """``http:URL`` or ``http:URL#MODEL`` -> ``(API base URL, served model name or None)``."""
+    if not spec.startswith("http:"):
+        raise ValueError(f"{spec!r} is not an http:URL spec")
+    url, _, model = spec.removeprefix("http:").partition("#")
+    return base_url(url), model or None
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What ``GET /v1/models`` says about the served model.
+
+    model: its name (the ``model`` field of requests).
+    anchor_rl: the server is ``anchor-rl serve`` (it takes the ``seeds`` extension and has
+        the weight-reload and tokenizer endpoints).
+    fingerprint: content hash of the served weights (``anchor-rl serve`` only; the
+        ``fingerprint_model`` of ``anchor_rl.anchors.keys``), else None.
+    tokenizer_fingerprint: ``fingerprint_tokenizer`` of the served tokenizer, else None.
+    max_batch: the most rows the server samples together (``anchor-rl serve`` only).
+    max_model_len: its context limit in tokens, when reported.
+    """
+
+    model: str
+    anchor_rl: bool = False
+    fingerprint: str | None = None
+    tokenizer_fingerprint: str | None = None
+    max_batch: int | None = None
+    max_model_len: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+class Client:
+    """A small JSON client for one OpenAI-compatible server, with retries and a timeout.
+
+    url: the API base (``http://host:port/v1``; a bare ``http://host:port`` gets ``/v1``).
+    timeout: seconds per HTTP request (connect, read and write each).
+    retries: further attempts after a connection error, a timeout or a 5xx answer
+        (500/502/503/504), waiting ``backoff * 2**i`` seconds (at most 10) before attempt i + 1.
+    api_key: sent as ``Authorization: Bearer``.
+    Thread-safe (one ``httpx.Client`` connection pool).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        api_key: str | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.url, self.timeout, self.retries, self.backoff = (
+            base_url(url),
+            timeout,
+            retries,
+            backoff,
+        )
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            timeout=timeout, headers=headers, limits=httpx.Limits(max_connections=256)
+        )
+        weakref.finalize(self, self._http.close)
+
+    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """``method`` ``url + path`` with a JSON ``body``; the decoded JSON answer.
+
+        Raises :class:`ServerUnreachableError` (naming the URL, the timeout and the retries)
+        when every attempt failed to connect or timed out, :class:`ServerError` for an error
+        status (with the server's message) or a body that is not JSON.
+        """
+        target = self.url + path
+        failure = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 10.0))
+            try:
+                response = self._http.request(method, target, json=body)
+            except httpx.TransportError as exc:  # connect/read errors and timeouts
+                failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if response.status_code in RETRY_STATUS:
+                failure = f"HTTP {response.status_code}: {_message(response)}"
+                continue
+            if response.status_code >= 400:
+                raise ServerError(
+                    f"{method} {target} answered HTTP {response.status_code}: {_message(response)}",
+                    response.status_code,
+                )
+            try:
+                return response.json()
+            except ValueError as exc:
+                raise ServerError(
+                    f"{method} {target} answered with a body that is not JSON: {response.text[:200]!r}",
+                    response.status_code,
+                ) from exc
+        tries = f"{self.retries + 1} attempt{'s' * bool(self.retries)} ({self.retries} retries with back-off)"
+        if failure.startswith("HTTP"):
+            raise ServerError(f"{method} {target} failed after {tries}: {failure}")
+        raise ServerUnreachableError(
+            f"cannot reach {target}: {failure}; gave up after {tries}, timeout {self.timeout:g} s "
+            "per request. Is the server running there (e.g. `anchor-rl serve`)?"
+        )
+
+    def info(self, model: str | None = None) -> ServerInfo:
+        """The served model's :class:`ServerInfo` from ``GET /models``; ``model`` picks one when
+        the server serves several (ValueError naming them otherwise). A server without the
+        endpoint gives ``ServerInfo(model)`` when ``model`` is given."""
+        try:
+            answer = self.request("GET", "/models")
+            cards = answer.get("data", []) if isinstance(answer, dict) else []
+        except ServerError:
+            if model is None:
+                raise
+            return ServerInfo(model)
+        names = [c.get("id") for c in cards if isinstance(c, dict)]
+        if model is None:
+            if len(names) != 1:
+                raise ValueError(
+                    f"{self.url} serves {len(names)} models ({', '.join(map(str, names)) or 'none'}); "
+                    "name one (http:URL#MODEL, or the engine's `model` option)"
+                )
+            model = names[0]
+        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == model), None)
+        if card is None:
+            return ServerInfo(model)
+        ext = card.get("anchor_rl") if isinstance(card.get("anchor_rl"), dict) else None
+        return ServerInfo(
+            model=model,
+            anchor_rl=ext is not None,
+            fingerprint=(ext or {}).get("fingerprint"),
+            tokenizer_fingerprint=(ext or {}).get("tokenizer_fingerprint"),
+            max_batch=(ext or {}).get("max_batch"),
+            max_model_len=card.get("max_model_len"),
+            raw=card,
+        )
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The served tokenizer, from ``GET /tokenizer`` (an ``anchor-rl serve`` extension:
+        its ``save_pretrained`` files), loaded with ``AutoTokenizer``; ServerError if the
+        server has no such endpoint."""
+        from transformers import AutoTokenizer
+
+        answer = self.request("GET", "/tokenizer")
+        files = answer.get("files") if isinstance(answer, dict) else None
+        if not isinstance(files, dict) or not files:
+            raise ServerError(f"GET {self.url}/tokenizer returned no tokenizer files")
+        with tempfile.TemporaryDirectory(prefix="anchor-rl-tokenizer-") as folder:
+            for name, data in files.items():
+                if Path(name).name != name:
+                    raise ServerError(f"GET {self.url}/tokenizer returned a file path {name!r}")
+                (Path(folder) / name).write_bytes(base64.b64decode(data))
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+
+def _message(response: httpx.Response) -> str:
+    """The error message of an error answer (OpenAI's ``{"error": {"message"}}`` or the text)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+    return str(body)[:500]
+
+
+class HTTPEngine:
+    """An :class:`~anchor_rl.rollout.engine.Engine` that samples through an OpenAI-compatible
+    ``/v1/completions`` server.
+
+    tokenizer: the client-side tokenizer (the policy's); prompts are rendered and sent as its
+        token ids, and the returned ids are read with it.
+    url: the server's API base (``http://127.0.0.1:8000/v1``).
+    model: the served model's name; None asks ``GET /v1/models`` (it must serve exactly one).
+    timeout, retries, backoff, api_key: of the :class:`Client`.
+    batched: one request per turn of up to ``max_batch`` rows (True) or one per row (False);
+        None: batched iff the server is ``anchor-rl serve``.
+    max_batch: rows per batched request (the ``hf`` engine's ``max_batch``; same value, same
+        chunks); None: what the server reports, else 256.
+    concurrency: requests in flight at once in per-row mode.
+    extra_body: merged into every completions request (after the defaults).
+    check_text: with token ids, check that they decode to the server's text (a server with
+        another tokenizer fails here rather than training on wrong ids).
+    weights_dir: where :meth:`sync_weights` writes its safetensors file (a directory the
+        server can read; default: a fresh temporary directory, removed with the engine).
+
+    Shapes: ``rollout`` returns the usual ``RolloutBatch`` (B requests, T the longest response).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        url: str,
+        model: str | None = None,
+        *,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        api_key: str | None = None,
+        batched: bool | None = None,
+        max_batch: int | None = None,
+        concurrency: int = 16,
+        extra_body: Mapping[str, Any] | None = None,
+        check_text: bool = True,
+        weights_dir: str | None = None,
+    ) -> None:
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.tokenizer = tokenizer
+        self.client = Client(
+            url, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key
+        )
+        self.url = self.client.url
+        self._model, self._batched, self._max_batch = model, batched, max_batch
+        self.concurrency, self.check_text = concurrency, check_text
+        self.extra_body = dict(extra_body or {})
+        self._weights_dir = weights_dir
+        self._info: ServerInfo | None = None
+        self._lock = threading.Lock()
+        self._revision: str | None = None  # the server revision our last sync_weights made
+        self._weights: Path | None = None
+        self.syncs = 0
+
+    # -- the server ---------------------------------------------------------------------
+
+    def info(self, refresh: bool = False) -> ServerInfo:
+        """The served model's :class:`ServerInfo` (asked once, then cached; ``refresh`` asks
+        again, e.g. for the fingerprint after a weight sync)."""
+        with self._lock:
+            if self._info is None or refresh:
+                self._info = self.client.info(self._model)
+            return self._info
+
+    @property
+    def model(self) -> str:
+        """The served model's name (asks the server when it was not given)."""
+        return self._model if self._model is not None else self.info().model
+
+    @property
+    def batched(self) -> bool:
+        """Whether each turn goes out as one request of many rows (see the class docstring)."""
+        return self._batched if self._batched is not None else self.info().anchor_rl
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per batched request."""
+        if self._max_batch is not None:
+            return self._max_batch
+        return (self.info().max_batch if self.batched else None) or 256
+
+    # -- Engine ---------------------------------------------------------------------------
+
+    def rollout(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        tools: Mapping[str, Tool] | None = None,
+        instruction: str | None = None,
+    ) -> RolloutBatch:
+        """One response per request (see :class:`~anchor_rl.rollout.engine.Engine`); with
+        ``tools`` the agent loop runs here, the server sampling each turn."""
+        if not requests:
+            raise ValueError("rollout needs at least one request")
+        self._ensure_weights()
+        tok = self.tokenizer
+        encoded = {p: encode_prompt(tok, p, instruction) for p in {r.prompt for r in requests}}
+        rows = [encoded[r.prompt] for r in requests]
+        seeds = [r.seed for r in requests]
+        size = self.max_batch
+        responses: list[Response] = []
+        for start in range(0, len(rows), size):
+            end = start + size
+            responses += self._agent(rows[start:end], params, seeds[start:end], tools)
+        group = torch.as_tensor([r.group for r in requests], dtype=torch.long)
+        return pack(responses, rows, group, tok)
+
+    def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Save ``state`` as a safetensors file and have the server load it (``POST
+        /v1/weights``, ``anchor-rl serve`` only; the server must be able to read the file).
+        Tensors sharing storage (tied embeddings) are written once each, as copies."""
+        from safetensors.torch import save_file
+
+        path = self._weights_path()
+        tensors, seen = {}, set()
+        for name, value in state.items():
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            elif t.untyped_storage().data_ptr() in seen:
+                t = t.clone()  # safetensors stores each storage once
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t.contiguous()
+        save_file(tensors, str(path))
+        self._weights = path
+        self._post_weights(path)
+        self.syncs += 1
+
+    # -- weights --------------------------------------------------------------------------
+
+    def _weights_path(self) -> Path:
+        if self._weights_dir is None:
+            folder = tempfile.mkdtemp(prefix="anchor-rl-weights-")
+            weakref.finalize(self, shutil.rmtree, folder, True)
+            self._weights_dir = folder
+        Path(self._weights_dir).mkdir(parents=True, exist_ok=True)
+        return (Path(self._weights_dir) / "weights.safetensors").resolve()
+
+    def _post_weights(self, path: Path) -> None:
+        try:
+            answer = self.client.request("POST", "/weights", {"path": str(path)})
+        except ServerError as exc:
+            if exc.status in (404, 405):
+                raise ServerError(
+                    f"{self.url} has no weight-reload endpoint (POST /v1/weights, which `anchor-rl "
+                    "serve` has): OpenAI-compatible servers share no reload API, so sync_weights "
+                    "works only against anchor-rl serve",
+                    exc.status,
+                ) from exc
+            raise
+        self._revision = answer.get("revision") if isinstance(answer, dict) else None
+
+    def _ensure_weights(self) -> None:
+        """After a sync, make sure the server still holds our weights: another engine (say, a
+        reference's) may have loaded its own since (``GET /v1/weights`` reports the revision);
+        if so, load ours again."""
+        if self._weights is None or self._revision is None:
+            return
+        current = self.client.request("GET", "/weights")
+        if not isinstance(current, dict) or current.get("revision") != self._revision:
+            self._post_weights(self._weights)
+
+    # -- the agent loop --------------------------------------------------------------------
+
+    def _agent(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        tools: Mapping[str, Tool] | None,
+    ) -> list[Response]:
+        """``run_agent`` with the server sampling each turn (same stops, budgets and counters)."""
+        tok = self.tokenizer
+        tools = dict(tools or {})
+        close_tags = {f"</{tag}>" for tag in tools}
+        stop = list(dict.fromkeys([*params.stop, *close_tags]))
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        stops = StopSet.build(tok, stop, eos)
+        responses = [Response() for _ in prompts]
+        while active := [i for i, r in enumerate(responses) if not r.done]:
+            turns = self._turn(
+                [[*prompts[i], *responses[i].tokens] for i in active],
+                [params.max_new_tokens - len(responses[i].tokens) for i in active],
+                params,
+                stop,
+                [seeds[i] for i in active],
+                [len(responses[i].tokens) for i in active],
+            )
+            for i, (ids, logprobs, finish) in zip(active, turns, strict=True):
+                r = responses[i]
+                r.extend(ids, logprobs)
+                ended = _stop_of(ids, finish, stops, tok)
+                if ended is None:
+                    r.truncated = r.done = True
+                elif not ids or ended not in close_tags or r.tool_calls >= params.max_turns:
+                    r.done = True
+                else:
+                    result = tok.encode(
+                        tool_result(tok.decode(ids), tools), add_special_tokens=False
+                    )
+                    room = params.max_new_tokens - len(r.tokens)
+                    r.extend(result[:room])
+                    r.tool_calls += 1
+                    if len(result) >= room:
+                        r.truncated = r.done = True
+        return responses
+
+    def _turn(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        seeds: list[int],
+        counters: list[int],
+    ) -> list[TurnResult]:
+        """One generation turn of every row: (ids, log-probs, finish_reason) per row."""
+        common: dict[str, Any] = {
+            "model": self.model,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "n": 1,
+            "stop": stop,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": True,
+        }
+        if self.batched:
+            body = {
+                **common,
+                "prompt": contexts,
+                "max_tokens": budgets[0] if len(set(budgets)) == 1 else budgets,
+                "seeds": seeds,
+                "counters": counters,
+                **self.extra_body,
+            }
+            return self._complete(body, len(contexts))
+
+        def one(i: int) -> TurnResult:
+            seed = seeds[i] if counters[i] == 0 else request_seed(seeds[i], counters[i])
+            body = {
+                **common,
+                "prompt": contexts[i],
+                "max_tokens": budgets[i],
+                "seed": seed,
+                "seeds": [seeds[i]],
+                "counters": [counters[i]],
+                **self.extra_body,
+            }
+            return self._complete(body, 1)[0]
+
+        if len(contexts) == 1:
+            return [one(0)]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(contexts))) as pool:
+            return list(pool.map(one, range(len(contexts))))
+
+    def _complete(self, body: dict[str, Any], rows: int) -> list[TurnResult]:
+        answer = self.client.request("POST", "/completions", body)
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or len(choices) != rows:
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise ServerError(f"{self.url}/completions returned {got} choices for {rows} prompts")
+        choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+        return [self._read(c) for c in choices]
+
+    def _read(self, choice: Any) -> TurnResult:
+        """A choice's token ids and log-probs, checked against its text."""
+        try:
+            text = choice["text"]
+            logprobs = choice["logprobs"]
+            tokens, values = list(logprobs["tokens"]), list(logprobs["token_logprobs"])
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerError(
+                f"{self.url}/completions returned no choices[i].text/logprobs.tokens/logprobs.token_logprobs "
+                "(does it support `logprobs` on /completions?)"
+            ) from exc
+        if len(tokens) != len(values) or any(v is None for v in values):
+            raise ServerError(
+                f"{self.url}/completions returned {len(tokens)} tokens but log-probs {values[:5]}..."
+            )
+        finish = choice.get("finish_reason")
+        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            return self._ids_of_token_ids(text, tokens), [float(v) for v in values], finish
+        return self._ids_of_strings(text, tokens), [float(v) for v in values], finish
+
+    def _ids_of_token_ids(self, text: str, tokens: list[str]) -> list[int]:
+        tok = self.tokenizer
+        try:
+            ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        except ValueError as exc:
+            raise ServerError(f"{self.url} returned a malformed token {exc}") from exc
+        if any(not 0 <= i < len(tok) for i in ids):
+            bad = next(i for i in ids if not 0 <= i < len(tok))
+            detail = f"token id {bad} is outside the client vocabulary of {len(tok)} tokens"
+            raise TokenMismatchError(
+                f"the server {self.url} (model {self.model!r}): {detail}", detail
+            )
+        if self.check_text and tok.decode(ids, skip_special_tokens=True) != text:
+            decoded = tok.decode(ids, skip_special_tokens=True)
+            detail = (
+                f"its token ids decode to {decoded[:60]!r} with the client tokenizer but its text "
+                f"is {text[:60]!r}"
+            )
+            raise TokenMismatchError(
+                f"the server {self.url} (model {self.model!r}) uses another tokenizer: {detail}",
+                detail,
+            )
+        return ids
+
+    def _ids_of_strings(self, text: str, tokens: list[str]) -> list[int]:
+        tok = self.tokenizer
+        ids = tok.encode(text, add_special_tokens=False)
+        eos = tok.eos_token_id
+        if "".join(tokens) != text:
+            eos_text = tok.decode([eos]) if eos is not None else None
+            if tokens and tokens[-1] == eos_text and "".join(tokens[:-1]) == text:
+                ids.append(eos)  # the eos token is in the tokens, not in the text
+            else:
+                raise ServerError(
+                    f"{self.url} returned tokens that do not spell its text; if it trimmed the stop "
+                    "string, keep it (vLLM: include_stop_str_in_output, SGLang: no_stop_trim in extra_body)"
+                )
+        ours = [tok.decode([i]) for i in ids]
+        if ours != tokens:
+            at = next(
+                (k for k, (a, b) in enumerate(zip(tokens, ours, strict=False)) if a != b),
+                min(len(tokens), len(ours)),
+            )
+            detail = (
+                f"{len(tokens)} vs {len(ours)} tokens, first difference at token {at}: "
+                f"endpoint {tokens[at : at + 3]!r} vs policy {ours[at : at + 3]!r}"
+            )
+            raise TokenMismatchError(
+                f"the server {self.url} (model {self.model!r}) tokenises its text differently "
+                f"from the client tokenizer: {detail}",
+                detail,
+            )
+        return ids
+
+
+def _stop_of(
+    ids: list[int], finish: str | None, stops: StopSet, tokenizer: PreTrainedTokenizerBase
+) -> str | None:
+    """How a turn ended, as ``generate_turn`` decides it: the stop its last token completes,
+    ``EOS`` when the server stopped on a stop of its own, None when it ran out of budget."""
+    if ids:
+        if (hit := stops.token_stops.get(ids[-1])) is not None:
+            return hit
+        if stops.string_stops:
+            window = max(len(s) for s in stops.string_stops) + 2
+            tail = tokenizer.decode(ids[-window:])
+            if (hit := next((s for s in stops.string_stops if s in tail), None)) is not None:
+                return hit
+    return None if finish == "length" else EOS
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A tokenizer directory for an ``http`` model whose server does not serve its tokenizer
+    (``AutoTokenizer``; eos becomes the pad token when there is none). ValueError if it cannot load."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def connect(
+    spec: str, tokenizer: PreTrainedTokenizerBase | None = None, **options: Any
+) -> HTTPEngine:
+    """An :class:`HTTPEngine` for ``http:URL`` or ``http:URL#MODEL`` (or a bare URL).
+
+    Without ``tokenizer``, the served one is fetched (``anchor-rl serve`` has it at
+    ``GET /v1/tokenizer``; other servers need the tokenizer passed). ``options`` go to
+    :class:`HTTPEngine`.
+    """
+    url, model = parse_http_spec(spec) if spec.startswith("http:") else (base_url(spec), None)
+    model = options.pop("model", None) or model
+    if tokenizer is None:
+        client = Client(
+            url,
+            **{k: options[k] for k in ("timeout", "retries", "backoff", "api_key") if k in options},
+        )
+        try:
+            tokenizer = client.tokenizer()
+        except ServerError as exc:
+            raise ValueError(
+                f"{url} does not serve its tokenizer (GET /v1/tokenizer is an anchor-rl serve "
+                f"extension: {exc}); pass the tokenizer (--tokenizer DIR)"
+            ) from exc
+    return HTTPEngine(tokenizer, url, model, **options)
+
+
+@register_engine("http")
+def _http_engine(
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    /,
+    url: str = "http://127.0.0.1:8000/v1",
+    model: str | None = None,
+    timeout: float = 60.0,
+    retries: int = 3,
+    api_key: str | None = None,
+    batched: bool | None = None,
+    max_batch: int | None = None,
+    concurrency: int = 16,
+    sync_on_start: bool = True,
+    weights_dir: str | None = None,
+) -> Engine:
+    """An :class:`HTTPEngine` on ``url`` with the learner's tokenizer. ``sync_on_start``
+    loads the learner's current weights into the server first (``anchor-rl serve`` only), so
+    the server samples the policy whatever it was started with."""
+    engine = HTTPEngine(
+        tokenizer, url, model, timeout=timeout, retries=retries, api_key=api_key,
+        batched=batched, max_batch=max_batch, concurrency=concurrency, weights_dir=weights_dir,
+    )  # fmt: skip
+    if sync_on_start:
+        engine.sync_weights(policy.state_dict())
+    return engine

@@ -1,0 +1,63 @@
+"""``anchor-rl serve``: serve a model over an OpenAI-compatible HTTP API.
+
+torch, transformers and uvicorn are imported inside the command so ``anchor-rl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def serve_command(
+    model: Annotated[str, typer.Option(help="A model directory, sft:SIZE or random:SIZE.")],
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Interface to listen on. 127.0.0.1 keeps it to this machine; the server loads "
+            "any weights file a client names, so expose it only to trusted clients."
+        ),
+    ] = "127.0.0.1",
+    task: Annotated[str, typer.Option(help="Task of an sft:SIZE spec.")] = "arithmetic",
+    task_kwargs: Annotated[
+        str | None, typer.Option(help="Task constructor kwargs of an sft:SIZE spec, as JSON.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of a random:SIZE init.")] = 0,
+    name: Annotated[
+        str | None, typer.Option(help="Served model name. Default: --model as given.")
+    ] = None,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Most rows (choices) sampled together in one forward batch.")
+    ] = 256,
+    batch_wait_ms: Annotated[
+        float,
+        typer.Option(min=0.0, help="How long a batch waits for concurrent requests to join it."),
+    ] = 5.0,
+    device: Annotated[str, typer.Option(help="Torch device.")] = "cpu",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve a model: /v1/completions, /v1/chat/completions, /v1/models, /v1/weights, /health.
+
+    Sampling is the built-in engine's, per-request seeds included: a client that sends the
+    seeds of its requests (the `seeds` field; the http engine does) gets exactly the tokens
+    the in-process engine samples. See docs/models.md, "Serving and the HTTP engine".
+    """
+    import torch
+    import uvicorn
+
+    from anchor_rl.errors import AnchorRLError
+    from anchor_rl.models.commands import default_threads, parse_task_kwargs
+    from anchor_rl.models.spec import load_spec
+    from anchor_rl.serve.app import ModelServer, build_app
+
+    torch.set_num_threads(default_threads())
+    try:
+        policy, tokenizer = load_spec(model, task, parse_task_kwargs(task_kwargs), seed, device)
+    except (ValueError, AnchorRLError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    server = ModelServer(policy, tokenizer, name or model, max_batch=max_batch)
+    app = build_app(server, max_batch, batch_wait_ms)
+    typer.echo(f"serving {server.name!r} on http://{host}:{port}/v1 (health: /health)")
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,230 @@
+"""The ``ray`` engine on a local 2-CPU Ray: the same seeded GRPO run and the same PVPO anchors
+as in one process, and rollouts that survive a worker killed with SIGKILL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import metrics_but_timings
+
+from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster import RayEngine
+from anchor_rl.rollout.engine import group_requests, make_engine
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.trainer.config import load_config
+from anchor_rl.trainer.logging import read_metrics
+from anchor_rl.trainer.loop import train
+from anchor_rl.trainer.run import start_run
+
+RAY = ["rollout.engine=ray", "rollout.engine_args.workers=2"]
+
+
+def _record(engine) -> list[RolloutBatch]:
+    """Keep every batch ``engine.rollout`` returns (wraps the instance's method)."""
+    batches: list[RolloutBatch] = []
+    inner = engine.rollout
+
+    def rollout(*args, **kwargs):
+        batches.append(inner(*args, **kwargs))
+        return batches[-1]
+
+    engine.rollout = rollout
+    return batches
+
+
+def _same_rows(a: RolloutBatch, b: RolloutBatch) -> None:
+    assert a.texts == b.texts
+    assert a.prompt_ids == b.prompt_ids
+    for name in ("group", "response_ids", "attention_mask", "loss_mask", "tool_calls", "truncated"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # the sampled tokens' log-probs: the same up to the forward pass's rounding, which the
+    # shards' batch shapes may change in the last bits (anchor_rl.rollout.sampling)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_seeded_grpo_run_is_the_same_on_two_ray_workers(
+    ray_local, parity, tiny, tmp_path, one_thread
+) -> None:
+    overrides = [*tiny, "steps=3", "optim.lr=1e-3"]
+    local = start_run(load_config("grpo", overrides), tmp_path / "hf")
+    local_batches = _record(local.engine)
+    train(local)
+    remote_cfg = load_config("grpo", [*overrides, *RAY, "rollout.engine_args.threads_per_worker=1"])
+    remote = start_run(remote_cfg, tmp_path / "ray")
+    engine = remote.engine
+    try:
+        assert isinstance(engine, RayEngine) and engine.workers == 2
+        remote_batches = _record(engine)
+        train(remote)
+        # the same rollouts, call by call (training and evaluation), the same metrics and weights
+        assert len(remote_batches) == len(local_batches) > 3
+        for a, b in zip(local_batches, remote_batches, strict=True):
+            _same_rows(a, b)
+        assert metrics_but_timings(local.run_dir) == metrics_but_timings(remote.run_dir)
+        assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(local.run_dir))  # real updates
+        for key, value in local.policy.state_dict().items():
+            assert torch.equal(value, remote.policy.state_dict()[key]), key
+        assert engine.syncs == 1 + 3  # the factory's push, then one after every update
+        assert engine.restarts == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_pvpo_presampling_on_two_workers_stores_the_single_process_rows(
+    ray_local, parity, tiny, tmp_path, one_thread
+) -> None:
+    overrides = [*tiny, "pvpo.m=2"]
+    local = start_run(
+        load_config("pvpo", [*overrides, f"pvpo.store={tmp_path}/hf.db"]), tmp_path / "hf"
+    )
+    # the policy's engine and presampling's engine (on the reference): 2 workers each
+    half = [*RAY, "rollout.engine_args.num_cpus_per_worker=0.5"]
+    remote_cfg = load_config("pvpo", [*overrides, *half, f"pvpo.store={tmp_path}/ray.db"])
+    remote = start_run(remote_cfg, tmp_path / "ray")
+    presampler = remote.components["pvpo"].set.sampler.engine
+    try:
+        assert isinstance(presampler, RayEngine) and presampler is not remote.engine
+        assert presampler.workers == 2 and presampler.syncs == 1
+
+        def rows(path: str) -> list[dict]:
+            with AnchorStore(path) as store:
+                return [
+                    {k: v for k, v in row.items() if k not in ("created", "updated")}
+                    for row in store.rows("stats")
+                ]
+
+        local_rows, remote_rows = rows(f"{tmp_path}/hf.db"), rows(f"{tmp_path}/ray.db")
+        assert len(local_rows) == len(parity.records("train")) == 8
+        assert {r["n"] for r in remote_rows} == {2}
+        assert remote_rows == local_rows  # same key, prompts, n, reward sums and correct counts
+        local_set, remote_set = local.components["pvpo"].set, remote.components["pvpo"].set
+        assert remote_set.key.digest == local_set.key.digest
+        assert remote_set.result.rollouts == local_set.result.rollouts == 8 * 2
+    finally:
+        remote.engine.close()
+        presampler.close()
+
+
+def test_a_second_cluster_address_in_one_process_is_refused(ray_local, tokenizer, tiny_model):
+    with pytest.raises(
+        ValueError, match=r"connected to the Ray cluster at .* cannot also join '10\.1\.2\.3:6379'"
+    ):
+        make_engine("ray", tiny_model, tokenizer, address="10.1.2.3:6379")
+
+
+def test_workers_the_cluster_cannot_hold_are_refused(ray_local, tokenizer, tiny_model):
+    with pytest.raises(ValueError, match=r"3 rollout workers x 1 CPU .* it has 2 CPU in all"):
+        make_engine("ray", tiny_model, tokenizer, workers=3)
+
+
+# -- faults: the engine below lives for the rest of the module (keep these tests last: it
+# holds 1 of the 2 CPUs, which the runs above need) ---------------------------------------
+
+PARAMS = SamplingParams(max_new_tokens=64)
+REQUESTS = group_requests([f"q{i}" for i in range(8)], [f"p{i}" for i in range(8)], 4, 0, "kill")
+
+
+@pytest.fixture(scope="module")
+def threads():
+    """One torch thread in this process, as in the workers, for the module's remaining tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_local, threads, tokenizer, tiny_model):
+    engine = make_engine(
+        "ray", tiny_model, tokenizer, num_cpus_per_worker=0.5, threads_per_worker=1
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def expected(threads, tokenizer, tiny_model):
+    """The requests' batch sampled in this process."""
+    return make_engine("hf", tiny_model, tokenizer).rollout(REQUESTS, PARAMS)
+
+
+def test_a_worker_killed_between_calls_is_restarted(engine, expected, caplog):
+    _same_rows(engine.rollout(REQUESTS, PARAMS), expected)
+    pids, restarts = engine.pids(), engine.restarts
+    os.kill(pids[0], signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="anchor_rl.cluster.engine"):
+        batch = engine.rollout(REQUESTS, PARAMS)
+    _same_rows(batch, expected)
+    assert engine.restarts == restarts + 1
+    now = engine.pids()
+    assert now[0] != pids[0] and now[1] == pids[1]
+    assert f"rollout worker 0 (pid {pids[0]}) died during rollout" in caplog.text
+    assert "restarted it" in caplog.text
+
+
+@dataclass
+class StallingSearch:
+    """A ``search`` tool whose first call (in any worker: ``marker`` is created atomically)
+    writes its process id to ``marker`` and waits to be killed; other calls answer at once."""
+
+    marker: str
+    name: str = "search"
+
+    def __call__(self, query: str) -> str:
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return "found"
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        time.sleep(60)  # the test kills this process long before
+        return "found"
+
+
+@pytest.fixture
+def by_value():
+    """Send this module's classes (the tool) to the workers by value: they cannot import it."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def test_a_worker_killed_during_a_call_is_restarted_and_its_shard_resampled(
+    engine, threads, by_value, tokenizer, tiny_model, tmp_path, caplog
+) -> None:
+    marker = tmp_path / "stalled.pid"
+    marker.write_text("")  # present: the tool never stalls
+    tools = {"search": StallingSearch(str(marker))}
+    expected = make_engine("hf", tiny_model, tokenizer).rollout(REQUESTS, PARAMS, tools)
+    marker.unlink()
+    pids, restarts = engine.pids(), engine.restarts
+    with (
+        caplog.at_level(logging.WARNING, logger="anchor_rl.cluster.engine"),
+        ThreadPoolExecutor(1) as pool,
+    ):
+        call = pool.submit(engine.rollout, REQUESTS, PARAMS, tools)
+        deadline = time.monotonic() + 60
+        while not (marker.exists() and marker.read_text()):
+            assert time.monotonic() < deadline, "no worker called the tool (the seeds should)"
+            time.sleep(0.05)
+        stalled = int(marker.read_text())
+        assert stalled in pids and not call.done()  # a worker in the middle of the call
+        os.kill(stalled, signal.SIGKILL)
+        batch = call.result(timeout=120)
+    _same_rows(batch, expected)
+    assert engine.restarts == restarts + 1
+    assert f"(pid {stalled}) died during rollout" in caplog.text
+    assert stalled not in engine.pids()

@@ -1,0 +1,291 @@
+"""`anchor-rl serve`'s HTTP API on loopback: the endpoints, the OpenAI fields, the seed
+extension (the in-process engine's tokens), batching of concurrent requests, malformed
+requests, clients that go away, and weight reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.loading import load_policy
+from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.rollout.engine import Request, make_engine, request_seed
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.serve.app import ModelServer, ServerThread, build_app
+
+
+def post(url: str, path: str, body, timeout: float = 30.0) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, timeout=timeout)
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def test_health_models_and_tokenizer_describe_the_served_model(served, tiny_dir) -> None:
+    thread, server = served
+    health = httpx.get(thread.url + "/health").json()
+    assert health == {"status": "ok", "model": "tiny", "revision": server.revision}
+    (card,) = httpx.get(thread.url + "/v1/models").json()["data"]
+    from anchor_rl.anchors.keys import fingerprint_model, fingerprint_tokenizer
+
+    model, tokenizer = load_policy(tiny_dir)
+    assert card["id"] == "tiny" and card["max_model_len"] == 1024
+    ext = card["anchor_rl"]
+    assert ext["fingerprint"] == fingerprint_model(model)  # a content hash, as presample keys use
+    assert ext["tokenizer_fingerprint"] == fingerprint_tokenizer(tokenizer)
+    assert ext["max_batch"] == 256
+    files = httpx.get(thread.url + "/v1/tokenizer").json()["files"]
+    assert "tokenizer.json" in files
+
+
+def test_completions_follow_the_openai_shape_and_seed_each_choice(served) -> None:
+    url = served[0].url
+    body = {
+        "model": "tiny",
+        "prompt": ["ab", "cd"],
+        "n": 2,
+        "max_tokens": 6,
+        "seed": 7,
+        "logprobs": 1,
+    }
+    answer = post(url, "/v1/completions", body).json()
+    assert answer["object"] == "text_completion" and answer["model"] == "tiny"
+    choices = answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]  # prompt-major: i * n + j
+    assert [c["seed"] for c in choices] == [request_seed(7, c) for c in range(4)]
+    tok = build_tokenizer()
+    for c in choices:
+        assert 1 <= len(c["token_ids"]) <= 6 and c["finish_reason"] in ("stop", "length")
+        assert c["logprobs"]["tokens"] == [tok.decode([i]) for i in c["token_ids"]]
+        assert all(lp <= 0 for lp in c["logprobs"]["token_logprobs"])
+    assert answer["usage"]["prompt_tokens"] == 4
+    again = post(url, "/v1/completions", body).json()["choices"]
+    assert [c["token_ids"] for c in again] == [c["token_ids"] for c in choices]  # seeded
+
+
+def test_the_seed_extension_reproduces_the_in_process_engine(served, tiny_dir) -> None:
+    """`seeds` (raw, one per choice) and token-id prompts give the hf engine's tokens and
+    log-probs; `counters` continues a response mid-way with the same draws."""
+    url = served[0].url
+    model, tok = load_policy(tiny_dir)
+    requests = [Request(f"{i}+{i}=", request_seed("t", i), i) for i in range(6)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, stop=["</answer>"])
+    batch = make_engine("hf", model, tok).rollout(requests, params)
+    body = {
+        "prompt": batch.prompt_ids,
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "stop": ["</answer>"],
+        "seeds": [r.seed for r in requests],
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "include_stop_str_in_output": True,
+    }
+    choices = post(url, "/v1/completions", body).json()["choices"]
+    for row, c in enumerate(choices):
+        n = int(batch.attention_mask[row].sum())
+        assert c["token_ids"] == batch.response_ids[row, :n].tolist()
+        assert c["logprobs"]["tokens"] == [f"token_id:{i}" for i in c["token_ids"]]
+        torch.testing.assert_close(
+            torch.tensor(c["logprobs"]["token_logprobs"]),
+            batch.logprobs[row, :n],
+            atol=1e-6,
+            rtol=0,
+        )
+        assert c["text"] == batch.texts[row]
+    # continue row 0 after its first 3 tokens: the counters say where the draws resume
+    first = choices[0]["token_ids"]
+    if len(first) > 3:
+        rest = post(url, "/v1/completions", {
+            **body, "prompt": [batch.prompt_ids[0] + first[:3]], "seeds": [requests[0].seed],
+            "counters": [3], "max_tokens": 9,
+        }).json()["choices"][0]  # fmt: skip
+        assert rest["token_ids"] == first[3:]
+
+
+def test_stop_strings_are_cut_from_the_text_unless_asked_to_keep_them(served) -> None:
+    url = served[0].url
+    tok = build_tokenizer()
+    answer = tok.convert_tokens_to_ids("</answer>")
+    # find a seed whose sample stops on </answer>
+    body = {"prompt": "x", "max_tokens": 100, "stop": "</answer>", "temperature": 1.0}
+    seeds = list(range(24))
+    choices = post(url, "/v1/completions", {**body, "prompt": ["x"] * 24, "seeds": seeds}).json()
+    hit = next(i for i, c in enumerate(choices["choices"]) if c["stop_reason"] == "</answer>")
+    kept = post(
+        url, "/v1/completions", {**body, "seeds": [hit], "include_stop_str_in_output": True}
+    ).json()
+    cut = post(url, "/v1/completions", {**body, "seeds": [hit]}).json()
+    kept, cut = kept["choices"][0], cut["choices"][0]
+    assert kept["token_ids"] == cut["token_ids"] and kept["token_ids"][-1] == answer
+    assert kept["text"].endswith("</answer>") and kept["text"] == cut["text"] + "</answer>"
+    assert cut["finish_reason"] == "stop"
+
+
+def test_chat_completions_render_the_chat_template(served, tiny_dir) -> None:
+    url = served[0].url
+    _, tok = load_policy(tiny_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "max_tokens": 5, "seeds": [3], "logprobs": True}
+    chat = post(url, "/v1/chat/completions", body).json()
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    plain = post(url, "/v1/completions", {"prompt": ids, "max_tokens": 5, "seeds": [3]}).json()
+    (c,) = chat["choices"]
+    assert chat["object"] == "chat.completion" and c["message"]["role"] == "assistant"
+    assert c["token_ids"] == plain["choices"][0]["token_ids"]
+    assert [e["token"] for e in c["logprobs"]["content"]] == [
+        tok.decode([i]) for i in c["token_ids"]
+    ]
+
+
+def test_a_hundred_concurrent_requests_complete_in_shared_batches(served) -> None:
+    thread, server = served
+    batches, rows = server.batches, server.rows
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=thread.url, timeout=60) as client:
+            return await asyncio.gather(*(
+                client.post("/v1/completions", json={
+                    "prompt": f"q{i}", "max_tokens": 8, "seeds": [1000 + i],
+                    "return_tokens_as_token_ids": True, "logprobs": 1,
+                })
+                for i in range(100)
+            ))  # fmt: skip
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 100
+    assert server.rows - rows == 100
+    assert server.batches - batches < 50  # merged: the batcher waits a few ms for company
+    for i in (0, 37, 99):  # each kept its own seed: alone it samples the same tokens
+        alone = post(
+            thread.url, "/v1/completions", {"prompt": f"q{i}", "max_tokens": 8, "seeds": [1000 + i]}
+        )
+        assert (
+            alone.json()["choices"][0]["token_ids"] == answers[i].json()["choices"][0]["token_ids"]
+        )
+
+
+MALFORMED = [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", [1, 2], 400, "JSON object"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "`prompt` is required"),
+    ("/v1/completions", {"prompt": []}, 400, "empty list"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty prompt"),
+    ("/v1/completions", {"prompt": [5, 999]}, 400, "token id 999"),
+    ("/v1/completions", {"prompt": ["a", 3]}, 400, "mixes"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "`n` must be >= 1"),
+    ("/v1/completions", {"prompt": "a", "n": "two"}, 400, "`n` must be an integer"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 5000}, 400, "exceeds the model's 1024"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "empty string"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "seeds": [1]}, 400, "list of 2 integers"),
+    ("/v1/completions", {"prompt": "a", "seeds": [-1]}, 400, "`seeds` values"),
+    ("/v1/completions", {"prompt": "a", "stream": True}, 400, "`stream` is not supported"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 1}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "n": 5000}, 400, "more than 4096"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "serves 'tiny'"),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400, "`messages`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "content"),
+    ("/v1/weights", {}, 400, "path"),
+    ("/v1/weights", {"path": "/nonexistent/weights.safetensors"}, 400, "no such file"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), MALFORMED)
+def test_a_malformed_request_gets_a_4xx_json_error(served, path, body, status, message) -> None:
+    url = served[0].url
+    answer = post(url, path, body)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert message in error["message"] and error["code"] == status
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_wrong_method_gets_405(served) -> None:
+    answer = httpx.get(served[0].url + "/v1/completions")
+    assert answer.status_code == 405 and "Method Not Allowed" in answer.json()["error"]["message"]
+
+
+def _send_and_hang_up(port: int, body: dict, after: float) -> None:
+    """POST ``body`` on a raw socket and close it after ``after`` seconds, before the answer."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head + data)
+        time.sleep(after)
+
+
+def test_clients_that_hang_up_leave_the_server_healthy(served) -> None:
+    thread, server = served
+    rows = server.rows
+    long = {"prompt": "a", "max_tokens": 300, "n": 2, "temperature": 0}  # greedy: runs to the end
+    _send_and_hang_up(thread.port, long, after=0.1)  # mid-generation
+    # a request queued behind the long one whose client goes away is dropped unsampled
+    _send_and_hang_up(thread.port, {"prompt": "b", "max_tokens": 5, "n": 7}, after=0.05)
+    assert httpx.get(thread.url + "/health", timeout=5).status_code == 200  # the loop is free
+    ok = post(thread.url, "/v1/completions", {"prompt": "c", "max_tokens": 4, "seeds": [1]})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+    assert server.rows - rows == 2 + 1  # the long request's rows and the last one's
+
+
+def test_weights_reload_from_a_safetensors_file_or_a_model_directory(
+    tiny_dir, tmp_path, one_thread
+) -> None:
+    model, tokenizer = load_policy(tiny_dir)
+    server = ModelServer(model, tokenizer, "tiny")
+    other = build_model("tiny", build_tokenizer(), seed=1)
+    with ServerThread(build_app(server)) as thread:
+        body = {"prompt": "ab", "max_tokens": 8, "seeds": [5], "logprobs": 1}
+        before = post(thread.url, "/v1/completions", body).json()["choices"][0]
+        fingerprint = httpx.get(thread.url + "/v1/models").json()["data"][0]["anchor_rl"][
+            "fingerprint"
+        ]
+        path = tmp_path / "other.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in other.state_dict().items()}, str(path))
+        loaded = post(thread.url, "/v1/weights", {"path": str(path)}).json()
+        assert (
+            loaded["revision"]
+            == server.revision
+            == httpx.get(thread.url + "/health").json()["revision"]
+        )
+        assert httpx.get(thread.url + "/v1/weights").json() == {
+            "revision": server.revision,
+            "path": str(path),
+        }
+        after = post(thread.url, "/v1/completions", body).json()["choices"][0]
+        assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
+        card = httpx.get(thread.url + "/v1/models").json()["data"][0]["anchor_rl"]
+        assert card["fingerprint"] != fingerprint
+        # the original directory (tied lm_head left out of the file) brings the first weights back
+        assert post(thread.url, "/v1/weights", {"path": str(tiny_dir)}).status_code == 200
+        again = post(thread.url, "/v1/completions", body).json()["choices"][0]
+        assert again["token_ids"] == before["token_ids"]
+        # weights of another architecture are refused, and the served ones stay
+        small = build_model("small", build_tokenizer(), seed=0)
+        bad = tmp_path / "small.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in small.state_dict().items()}, str(bad))
+        refused = post(thread.url, "/v1/weights", {"path": str(bad)})
+        assert refused.status_code == 400 and "tensors" in refused.json()["error"]["message"]
+        text = tmp_path / "weights.txt"
+        text.write_text("x")
+        refused = post(thread.url, "/v1/weights", {"path": str(text)})
+        assert refused.status_code == 400 and ".safetensors" in refused.json()["error"]["message"]
+        assert (
+            post(thread.url, "/v1/completions", body).json()["choices"][0]["token_ids"]
+            == before["token_ids"]
+        )

@@ -1,0 +1,168 @@
+"""Every failure a user can cause ends the ``anchor-rl`` command on one screen: a message that
+names the cause and the fix, exit code 2, and no traceback unless ``--debug`` asks for it.
+An unexpected error exits 1 and says how to see the traceback.
+
+Each case runs the real command line in a subprocess (the console entry point's error
+handling is what is tested); the cases run side by side to keep the module quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import TINY
+
+PLUGIN_IMPORT_FAILS = 'raise RuntimeError("boom in plugin")\n'
+
+PLUGIN_ESTIMATOR_FAILS = """
+from anchor_rl.algos.advantages import register_advantage
+
+@register_advantage("explodes", inputs=("rewards", "index"))
+def explodes(rewards, index):
+    raise RuntimeError("an estimator bug")
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    args: tuple[str, ...]
+    code: int
+    message: str  # in the first line of stderr
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def _run(args: tuple[str, ...], cwd: Path, env: dict[str, str] | None = None):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("ANCHOR_RL_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "anchor_rl.cli", *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _write_files(root: Path) -> None:
+    (root / "no_question.jsonl").write_text(json.dumps({"q": "1+1", "answer": "2"}) + "\n")
+    (root / "torn.jsonl").write_text('{"question": "1+1", "answer": "2"}\n{"question": \n')
+    (root / "import_fails.py").write_text(PLUGIN_IMPORT_FAILS)
+    (root / "estimator_fails.py").write_text(PLUGIN_ESTIMATOR_FAILS)
+    (root / "empty").mkdir()
+
+
+def _file_task(path: str) -> str:
+    return json.dumps({"path": path, "format": None, "question": "question", "answer": "answer"})
+
+
+CASES = {
+    "missing model directory": Case(
+        ("train", "model=does/not/exist", "steps=1"),
+        2, "model 'does/not/exist' is neither a model directory",
+    ),
+    "unknown task": Case(("train", "task=gsm9k", "steps=1"), 2, "unknown task 'gsm9k'"),
+    "task argument of the wrong type": Case(
+        ("train", "task_args.n_train=many", "steps=1"), 2, "task_args.n_train='many'"
+    ),
+    "task argument the task does not take": Case(
+        ("train", "task_args.digits=3", "steps=1"), 2, "got unknown argument(s) ['digits']"
+    ),
+    "unknown preset": Case(("train", "-p", "grpoo"), 2, "unknown preset 'grpoo'"),
+    "unknown engine": Case(
+        ("train", "rollout.engine=vllm", "steps=1"), 2, "invalid config:"
+    ),
+    "a GPU asked for and none visible": Case(
+        ("train", "device=cuda", "steps=1"), 2, "device=cuda but no CUDA GPU is visible",
+        env=(("CUDA_VISIBLE_DEVICES", ""),),
+    ),
+    "dataset row without the question column": Case(
+        ("eval", "--model", "random:tiny", "--task", "file",
+         "--task-kwargs", _file_task("no_question.jsonl")),
+        2, "no_question.jsonl row 0: no field 'question' (fields: answer, q)",
+    ),
+    "dataset file with a torn line": Case(
+        ("eval", "--model", "random:tiny", "--task", "file", "--task-kwargs", _file_task("torn.jsonl")),
+        2, "torn.jsonl:2: not valid JSON",
+    ),
+    "missing dataset file": Case(
+        ("eval", "--model", "random:tiny", "--task", "file", "--task-kwargs", _file_task("nope.jsonl")),
+        2, "no such dataset file: nope.jsonl",
+    ),
+    "a server that is not running": Case(
+        ("eval", "--model", "http:http://127.0.0.1:9/v1", "--task", "arithmetic", "--limit", "1"),
+        2, "cannot reach http://127.0.0.1:9/v1/tokenizer",
+    ),
+    "report of a directory with no results": Case(("report", "empty"), 2, "no results under empty"),
+    "unknown bench suite": Case(("bench", "baslines"), 2, "unknown suite 'baslines'"),
+    "resume a directory that holds no run": Case(
+        ("train", "--resume", "empty"), 2, "holds no run"
+    ),
+    "a plug-in that fails to import": Case(
+        ("train", "plugins=[\"import_fails.py\"]", "steps=1"),
+        2, "plugin 'import_fails.py' raised RuntimeError: boom in plugin at import_fails.py:1",
+    ),
+    "an unexpected error inside the loop": Case(
+        ("train", "plugins=[\"estimator_fails.py\"]", "advantage.estimator=explodes",
+         "steps=1", *TINY),
+        1, "RuntimeError: an estimator bug",
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    _write_files(root)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, c.args, root, dict(c.env)) for name, c in CASES.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_user_error_ends_on_one_screen(results, name) -> None:
+    case, done = CASES[name], results[name]
+    assert done.returncode == case.code, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and case.message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(lines) <= 3  # the message, and for an unexpected error the --debug hint
+    if case.code == 1:
+        assert "--debug" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["eval", "presample", "serve"])
+def test_a_missing_model_is_a_usage_error_on_every_command(tmp_path, command) -> None:
+    done = _run((command, "--model", "does/not/exist", "--task", "arithmetic"), tmp_path,
+                {"COLUMNS": "300"})  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "Invalid value for --model" in done.stderr and "neither a model directory" in done.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path) -> None:
+    (tmp_path / "import_fails.py").write_text(PLUGIN_IMPORT_FAILS)
+    done = _run(("train", 'plugins=["import_fails.py"]', "steps=1", "--debug"), tmp_path)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "boom in plugin" in done.stderr
+
+
+def test_a_finished_run_says_how_to_resume_and_a_corrupt_checkpoint_offers_the_previous(
+    tmp_path,
+) -> None:
+    run = ("train", *TINY, "eval.every=0", "checkpoint.every=1", "checkpoint.keep=2", "steps=2",
+           "--out", "run")  # fmt: skip
+    first = _run(run, tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = _run(run, tmp_path)
+    assert again.returncode == 2
+    assert "continue it with anchor-rl train --resume" in again.stderr
+    changed = _run(("train", "--resume", "run", "steps=3", "rollout.n=2"), tmp_path)
+    assert changed.returncode == 2
+    assert "'rollout.n' cannot change on resume" in changed.stderr
+    (tmp_path / "run" / "checkpoints" / "step_000002" / "optimizer.pt").write_bytes(b"torn")
+    resumed = _run(("train", "--resume", "run", "steps=3"), tmp_path)
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr
+    assert "step_000002" in resumed.stderr and "--from step_000001" in resumed.stderr

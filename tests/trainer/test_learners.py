@@ -1,0 +1,127 @@
+"""Data-parallel learners (cluster.learners > 1): the losses of a sharded batch equal the
+whole batch's (by hand), a seeded run on 2 learners matches one learner, a dead rank ends
+the run clearly."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from anchor_rl.batch import RolloutBatch
+from anchor_rl.errors import AnchorRLError
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.trainer.config import ConfigError, load_config
+from anchor_rl.trainer.learners import LearnerGroup
+from anchor_rl.trainer.logging import read_metrics
+from anchor_rl.trainer.loop import train
+from anchor_rl.trainer.run import start_run
+from anchor_rl.trainer.update import make_optimizer, ppo_update
+
+
+def _batch() -> RolloutBatch:
+    """5 responses of 1-4 tokens: ragged, an odd count (ranks get 3 and 2 rows)."""
+    lengths = [4, 1, 3, 2, 4]
+    t = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (t - n) for n in lengths])
+    ids = (torch.arange(5 * t).reshape(5, t) % 50 + 14) * mask.long()
+    return RolloutBatch(
+        group=torch.tensor([0, 0, 1, 1, 1]), prompt_ids=[[5, 20, 21]] * 5, response_ids=ids,
+        attention_mask=mask, loss_mask=mask, logprobs=torch.zeros(5, t), texts=[""] * 5,
+        tool_calls=torch.zeros(5, dtype=torch.long), truncated=torch.zeros(5, dtype=torch.bool),
+    )  # fmt: skip
+
+
+ADV = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
+
+
+@pytest.mark.parametrize(
+    ("agg", "by_hand"),
+    [
+        # token-mean: -(4*1 - 2*1 + 3*0.5 + 2*3 - 4*1) / 14 tokens
+        ("token-mean", -(4 - 2 + 1.5 + 6 - 4) / 14),
+        # seq-mean-token-mean: each response's advantage, averaged over the 5 responses
+        ("seq-mean-token-mean", -(1 - 2 + 0.5 + 3 - 1) / 5),
+    ],
+)
+def test_two_learners_compute_the_whole_batchs_loss_and_step(agg, by_hand, one_thread) -> None:
+    cfg = load_config("grpo", [f"loss.agg={agg}", "kl.coef=0", "optim.lr=1e-3"])
+    tokenizer = build_tokenizer()
+    batch, mask = _batch(), _batch().loss_mask
+    adv = ADV[:, None] * mask
+
+    def fresh():
+        model = build_model("tiny", tokenizer, seed=0)
+        with torch.no_grad():  # ratio 1 at the first step: the old log-probs are the model's
+            old, _ = token_logprobs(model, batch)
+        return model, old
+
+    one, old = fresh()
+    opt, sched = make_optimizer(cfg, one.parameters())
+    single = ppo_update(one, opt, sched, batch, mask, old, None, adv, ADV > 0, cfg, None,
+                        schedule=[torch.arange(5)])  # fmt: skip
+    two, old2 = fresh()
+    opt2, sched2 = make_optimizer(cfg, two.parameters())
+    group = LearnerGroup(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+        update={"learners": 2, "threads_per_learner": 1})}), two, opt2, sched2)  # fmt: skip
+    try:
+        sharded = group.update(batch, mask, old2, None, adv, ADV > 0, [torch.arange(5)])
+    finally:
+        group.close()
+    assert single["loss/policy"] == pytest.approx(by_hand, rel=1e-6)
+    assert sharded["loss/policy"] == pytest.approx(by_hand, rel=1e-6)
+    assert sharded["policy/ratio_mean"] == pytest.approx(1.0)
+    assert sharded["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
+    # Not bit-equal: the ranks sum their gradients in another order. Adam's first step is
+    # lr * g / (|g| + eps), so a weight whose gradient is near eps moves by up to lr times a
+    # float difference; 1% of lr bounds it (measured: 3e-6 at lr 1e-3).
+    for (name, a), b in zip(one.state_dict().items(), two.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * cfg.optim.lr, msg=name)
+
+
+@pytest.mark.slow
+def test_a_seeded_run_on_two_learners_matches_one(parity, tiny, tmp_path, one_thread) -> None:
+    base = [*tiny, "steps=3", "eval.every=0", "optim.lr=1e-2", "optim.mini_batches=2",
+            "cluster.threads_per_learner=1"]  # fmt: skip
+    one = train(start_run(load_config("grpo", base), tmp_path / "one"))
+    two = train(start_run(load_config("grpo", [*base, "cluster.learners=2"]), tmp_path / "two"))
+    a, b = read_metrics(one.run_dir), read_metrics(two.run_dir)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["reward/mean"] == rb["reward/mean"]  # the same rollouts
+        for key in ("loss/policy", "loss/kl", "loss/total", "grad_norm", "policy/ratio_mean"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert any(r["grad_norm"] > 0 for r in a)
+    for (name, x), y in zip(one.policy.state_dict().items(), two.policy.state_dict().values(),
+                            strict=True):  # fmt: skip
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-2 * 1e-2, msg=name)  # 1% of lr, as above
+
+
+@pytest.mark.slow
+def test_a_dead_learner_rank_ends_the_update_clearly(one_thread) -> None:
+    cfg = load_config("grpo", ["kl.coef=0", "cluster.learners=2", "cluster.threads_per_learner=1"])
+    model = build_model("tiny", build_tokenizer(), seed=0)
+    opt, sched = make_optimizer(cfg, model.parameters())
+    group = LearnerGroup(cfg, model, opt, sched)
+    batch = _batch()
+    try:
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        group.processes[0].join(timeout=30)
+        with pytest.raises(AnchorRLError, match=r"anchor-rl-learner-1 \(exit code -9\).*--resume"):
+            group.update(batch, batch.loss_mask, torch.zeros(5, 4), None,
+                         ADV[:, None] * batch.loss_mask, ADV > 0, [torch.arange(5)])  # fmt: skip
+    finally:
+        group.close()
+
+
+def test_what_learners_do_not_support_yet_is_refused() -> None:
+    with pytest.raises(ConfigError, match="cluster.learners > 1 with a critic .* not built yet"):
+        load_config("ppo", ["cluster.learners=2"])
+    with pytest.raises(ConfigError, match="on device=cuda is not built yet"):
+        load_config("grpo", ["cluster.learners=2", "device=cuda"])
+    assert not math.isnan(load_config("grpo", ["cluster.learners=2"]).optim.lr)
