@@ -37,29 +37,55 @@ TokenizerOpt = Annotated[
         "(anchor-rl serve does)."
     ),
 ]
-TaskOpt = Annotated[str, typer.Option(help="Task name (see anchor_rl.tasks.get_task).")]
+PresetOpt = Annotated[
+    str,
+    typer.Option(
+        "--preset",
+        "-p",
+        help="Training preset (name or .toml) whose task and rollout settings are the defaults, "
+        "so the anchors land under the key `anchor-rl train` looks up.",
+    ),
+]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option(help="Task name (see anchor_rl.tasks.get_task). Default: the preset's."),
+]
 TaskKwargsOpt = Annotated[
     str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
 ]
-MOpt = Annotated[int, typer.Option("--m", min=1, help="Reference rollouts per prompt (M).")]
+MOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--m", min=1, help="Reference rollouts per prompt (M). Default: the preset's pvpo.m."
+    ),
+]
 DbOpt = Annotated[
     Path | None,
     typer.Option(help="Anchor store file. Default: $ANCHOR_RL_CACHE/anchors.db."),
 ]
 SplitOpt = Annotated[str, typer.Option(help="Records split to presample.")]
 LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N records of the split.")]
-TemperatureOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature.")]
-TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
-MaxNewOpt = Annotated[
-    int, typer.Option(min=1, help="Token budget per response (tool output included).")
+FROM_PRESET = " Default: the preset's rollout setting."
+TemperatureOpt = Annotated[
+    float | None, typer.Option(min=0.0, help="Sampling temperature." + FROM_PRESET)
 ]
-MaxTurnsOpt = Annotated[int, typer.Option(min=0, help="Most tool calls per response.")]
+TopPOpt = Annotated[
+    float | None, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass." + FROM_PRESET)
+]
+MaxNewOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="Token budget per response (tool output included)." + FROM_PRESET),
+]
+MaxTurnsOpt = Annotated[
+    int | None, typer.Option(min=0, help="Most tool calls per response." + FROM_PRESET)
+]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling (and of a random:SIZE init).")]
 DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
 
 
 @dataclass
 class _Setup:
+    config: Any  # the preset's TrainConfig
     model: Any  # None for a served (http:) model
     tokenizer: Any
     engine: Any
@@ -74,20 +100,23 @@ class _Setup:
 
 
 def _setup(
+    preset: str,
     model: str,
-    task: str,
+    task: str | None,
     task_kwargs: str | None,
     split: str,
     limit: int | None,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    max_turns: int,
+    temperature: float | None,
+    top_p: float | None,
+    max_new_tokens: int | None,
+    max_turns: int | None,
     seed: int,
     device: str,
     db: Path | None,
     tokenizer_dir: Path | None = None,
 ) -> _Setup:
+    """Everything a presample or filter command needs; sampling settings and the task left
+    as None come from ``preset``, as ``anchor-rl train --preset`` would use them."""
     from anchor_rl.anchors.keys import task_identity
     from anchor_rl.anchors.presample import presample_key, task_params
     from anchor_rl.errors import AnchorRLError
@@ -97,8 +126,21 @@ def _setup(
     from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
+    from anchor_rl.trainer.config import load_config
 
-    kwargs = parse_task_kwargs(task_kwargs)
+    cfg = load_config(preset, [])
+    if task is None:
+        task = cfg.task
+        kwargs = parse_task_kwargs(task_kwargs) if task_kwargs is not None else cfg.task_args
+    else:
+        kwargs = parse_task_kwargs(task_kwargs)
+    r = cfg.rollout
+    temperature, top_p, max_new_tokens, max_turns = (
+        r.temperature if temperature is None else temperature,
+        r.top_p if top_p is None else top_p,
+        r.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        r.max_turns if max_turns is None else max_turns,
+    )
     try:
         task_obj = get_task(task, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -128,6 +170,7 @@ def _setup(
         engine = make_engine("hf", policy, tokenizer)
         key = presample_key(policy, tokenizer, params, task_id)
     return _Setup(
+        cfg,
         policy,
         tokenizer,
         engine,
@@ -207,21 +250,56 @@ def _distribution_table(stats: dict[str, AnchorStat], title: str) -> Any:
     return table
 
 
+def _key_note(store: Any, key: AnchorKey, ids: list[str]) -> str:
+    """Whether the store is reused under ``key`` and, when nothing is there, why: other keys
+    of the same model, tokenizer and task, with the sampling settings that differ."""
+    import json
+
+    done = len(store.get_anchors(key, ids))
+    if done:
+        return f"reusing the anchors of {done} of {len(ids)} prompts already under this key"
+    ours, registered = key.to_dict(), store.keys()
+    others = [
+        k for k in registered
+        if k["tag"] == key.tag and k["digest"] != key.digest and k["model"] == ours["model"]
+        and k["tokenizer"] == ours["tokenizer"] and k["task"] == ours["task"]
+    ]  # fmt: skip
+    if not others:
+        return "no anchors under this key yet: sampling all of them"
+    diffs = []
+    for k in others:
+        theirs = json.loads(k["sampling"]) if isinstance(k["sampling"], str) else k["sampling"]
+        changed = sorted(f for f in {*theirs, *ours["sampling"]}
+                         if theirs.get(f) != ours["sampling"].get(f))  # fmt: skip
+        diffs.append(f"{k['digest'][:12]} ({', '.join(f'{f} {theirs.get(f)}' for f in changed)})")
+    return (
+        "no anchors under this key yet: sampling all of them. The store holds this model and "
+        f"task under other sampling settings: {'; '.join(diffs)}; the settings above are "
+        "this one's (give --max-new-tokens etc. to match those, or --preset for another run's)"
+    )
+
+
 def presample_command(
     model: ModelOpt,
-    task: TaskOpt = "arithmetic",
+    preset: PresetOpt = "pvpo",
+    task: TaskOpt = None,
     task_kwargs: TaskKwargsOpt = None,
-    m: MOpt = 8,
+    m: MOpt = None,
     db: DbOpt = None,
     split: SplitOpt = "train",
     limit: LimitOpt = None,
     batch_size: Annotated[
-        int, typer.Option(min=1, help="Prompts per sampling call (each gets M rollouts).")
-    ] = 16,
-    temperature: TemperatureOpt = 1.0,
-    top_p: TopPOpt = 1.0,
-    max_new_tokens: MaxNewOpt = 64,
-    max_turns: MaxTurnsOpt = 4,
+        int | None,
+        typer.Option(
+            min=1,
+            help="Prompts per sampling call (each gets M rollouts). "
+            "Default: the preset's pvpo.presample_batch.",
+        ),
+    ] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    max_turns: MaxTurnsOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     export: Annotated[
@@ -241,26 +319,22 @@ def presample_command(
     from anchor_rl.anchors.store import AnchorStore
 
     s = _setup(
-        model,
-        task,
-        task_kwargs,
-        split,
-        limit,
-        temperature,
-        top_p,
-        max_new_tokens,
-        max_turns,
-        seed,
-        device,
-        db,
-        tokenizer,
-    )
+        preset, model, task, task_kwargs, split, limit, temperature, top_p, max_new_tokens,
+        max_turns, seed, device, db, tokenizer,
+    )  # fmt: skip
+    m = s.config.pvpo.m if m is None else m
+    batch_size = s.config.pvpo.presample_batch if batch_size is None else batch_size
     console = Console()
+    p = s.params
     console.print(
-        f"presample {task}/{split}: {len(s.records)} prompts x M={m} into {s.db} (key {s.key.digest})"
+        f"presample {s.task_name}/{split}: {len(s.records)} prompts x M={m} into {s.db} "
+        f"(key {s.key.digest}; temperature {p.temperature:g}, top_p {p.top_p:g}, "
+        f"max_new_tokens {p.max_new_tokens}, max_turns {p.max_turns}: preset {preset}'s "
+        "unless given)"
     )
     sampler = RolloutSampler(s.engine, s.task, s.params)
     with AnchorStore(s.db) as store:
+        console.print(_key_note(store, s.key, [r.id for r in s.records]))
         result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
         stats = store.get_anchors(s.key, [r.id for r in s.records])
         if export is not None:
@@ -354,15 +428,16 @@ def _teacher(
 @anchors_app.command("filter")
 def filter_command(
     model: ModelOpt,
-    task: TaskOpt = "arithmetic",
+    preset: PresetOpt = "pvpo",
+    task: TaskOpt = None,
     task_kwargs: TaskKwargsOpt = None,
     db: DbOpt = None,
     split: SplitOpt = "train",
     limit: LimitOpt = None,
-    temperature: TemperatureOpt = 1.0,
-    top_p: TopPOpt = 1.0,
-    max_new_tokens: MaxNewOpt = 64,
-    max_turns: MaxTurnsOpt = 4,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    max_turns: MaxTurnsOpt = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     teacher: Annotated[
@@ -397,20 +472,9 @@ def filter_command(
     from anchor_rl.anchors.teachers import teacher_key
 
     s = _setup(
-        model,
-        task,
-        task_kwargs,
-        split,
-        limit,
-        temperature,
-        top_p,
-        max_new_tokens,
-        max_turns,
-        seed,
-        device,
-        db,
-        tokenizer,
-    )
+        preset, model, task, task_kwargs, split, limit, temperature, top_p, max_new_tokens,
+        max_turns, seed, device, db, tokenizer,
+    )  # fmt: skip
     with AnchorStore(s.db) as store:
         stats = store.get_anchors(s.key, [r.id for r in s.records])
         if len(stats) < len(s.records):

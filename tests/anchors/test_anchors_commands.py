@@ -84,3 +84,30 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path):
     assert "49.8%" in out.output
     missing = runner.invoke(app, ["anchors", "filter", *common, "--top-p", "0.9"])
     assert missing.exit_code != 0 and "presample" in missing.output
+
+
+def test_presample_defaults_are_the_presets_so_training_finds_the_anchors(tmp_path):
+    from anchor_rl.models.spec import load_spec
+    from anchor_rl.trainer.config import load_config
+    from anchor_rl.trainer.pvpo import reference_key
+    from anchor_rl.trainer.run import load_task
+
+    db = tmp_path / "anchors.db"
+    args = ["presample", "--model", "random:tiny", "--limit", "3", "--m", "2", "--db", str(db)]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "max_new_tokens 80" in first.output and "no anchors under this key yet" in first.output
+    cfg = load_config("pvpo", ["model=random:tiny"])
+    task = load_task(cfg)
+    policy, tokenizer = load_spec("random:tiny", cfg.task, cfg.task_args, 0, "cpu")
+    key = reference_key(cfg, task, tokenizer, policy)
+    ids = [r.id for r in task.records("train")[:3]]
+    with AnchorStore(db) as store:
+        assert sorted(store.get_anchors(key, ids)) == sorted(ids)  # where training looks
+
+    shorter = runner.invoke(app, [*args, "--max-new-tokens", "64"])
+    assert shorter.exit_code == 0, shorter.output
+    text = " ".join(shorter.output.split())
+    assert f"other sampling settings: {key.digest[:12]} (max_new_tokens 80)" in text
+    again = runner.invoke(app, args)
+    assert "reusing the anchors of 3 of 3 prompts already under this key" in again.output
