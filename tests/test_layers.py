@@ -62,6 +62,8 @@ def _layer(module: str) -> int | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None  # the top-level package (version only)
+    if parts[-1] == "commands":  # a package's commands are the command line's glue
+        return LAYERS.index({"cli"})
     return next(i for i, layer in enumerate(LAYERS) if parts[1] in layer)
 
 
@@ -126,3 +128,13 @@ def test_the_checker_sees_lazy_and_type_only_imports(tmp_path) -> None:
         "anchor_rl.bench.runner",
         "anchor_rl.rollout.types",
     }
+
+
+def test_only_the_command_line_imports_commands_modules() -> None:
+    importers = [
+        f"{module} -> {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if target.endswith(".commands") and _layer(module) != LAYERS.index({"cli"})
+    ]
+    assert importers == []

@@ -652,14 +652,15 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
                 f"Command: `{payload['command']}`.",
             )
         )
-        header = ["size", "parameters", "rollout tok/s", "update tok/s", "s/step", "generate",
-                  "score", "update", "other"]  # fmt: skip
+        header = ["size", "layout", "parameters", "rollout tok/s", "update tok/s", "s/step",
+                  "generate", "score", "update", "other"]  # fmt: skip
         rows = []
         for row in payload["rows"]:
             f = row["figures"]
             rows.append(
                 [
                     row["size"],
+                    row.get("layout", "1 process"),
                     f"{row['parameters'] / 1e6:.1f}M",
                     f"{f['rollout_tok_s']:.0f}",
                     f"{f['update_tok_s']:.0f}",

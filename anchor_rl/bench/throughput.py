@@ -14,6 +14,12 @@ The models are random inits (``random:SIZE``, no SFT run needed for the larger s
 responses end at a random stop or eos token or at the budget, about half the budget on
 average at every size, so the sizes generate similar token counts. On the CPU all sizes run;
 on another device (``--device cuda``) only the largest.
+
+On the CPU, ``tiny`` and ``small`` also run in the cluster layouts (:data:`LAYOUTS`): one
+process with one thread, 1 and 2 Ray rollout workers of one thread each, 2 learner ranks of
+one thread each, and both; the driver then has one thread. A row's ``layout`` says which,
+so rollout tokens/s of 2 workers compare with 1 worker and with the one process at the
+machine's threads (today's default).
 Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
 """
 
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,61 @@ from anchor_rl.bench.runner import BenchArgs, Suite, plan, run_spec
 SIZE_ORDER = ("tiny", "small", "base")
 STAGES = ("generate", "score", "update")
 WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a throughput run's work goes.
+
+    name: the row's label. threads: the driver's torch threads (None: the process's own).
+    settings: config settings of the layout (``cluster.*``, the workers' threads).
+    """
+
+    name: str
+    threads: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def _cluster(workers: int = 0, learners: int = 1) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"rollout_workers": workers, "learners": learners}
+    table: dict[str, Any] = {"cluster": cluster}
+    if workers:
+        table["rollout"] = {"engine_args": {"threads_per_worker": 1, "num_cpus_per_worker": 1}}
+    if learners > 1:
+        cluster["threads_per_learner"] = 1
+    return table
+
+
+LAYOUTS: dict[str, Layout] = {
+    "": Layout("1 process"),
+    "t1": Layout("1 process, 1 thread", 1),
+    "w1": Layout("1 rollout worker", 1, _cluster(workers=1)),
+    "w2": Layout("2 rollout workers", 1, _cluster(workers=2)),
+    "l2": Layout("2 learners", 1, _cluster(learners=2)),
+    "w2l2": Layout("2 workers, 2 learners", 1, _cluster(workers=2, learners=2)),
+}
+"""The layouts by key (the key suffixes the size in the run's label: ``grpo+tiny-w2``); the
+one-process layout at the process's threads has the empty key (label ``grpo+tiny``)."""
+CLUSTER_SIZES = ("tiny", "small")
+"""The sizes measured in every layout on the CPU (the others in one process only)."""
+
+
+def _variant(size: str, layout: str) -> str:
+    return f"{size}-{layout}" if layout else size
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's thread count set to ``n`` for the block (unchanged for None)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def throughput_suite(sizes: Sequence[str] = SIZE_ORDER) -> Suite:
@@ -49,7 +112,11 @@ def throughput_suite(sizes: Sequence[str] = SIZE_ORDER) -> Suite:
             "checkpoint": {"every": 0},
             "log": {"tensorboard": False, "progress": True},
         },
-        variants={size: {"model": f"random:{size}"} for size in sizes},
+        variants={
+            _variant(size, key): {"model": f"random:{size}", **layout.settings}
+            for size in sizes
+            for key, layout in LAYOUTS.items()
+        },
         profiles={
             "quick": {
                 "steps": 1,
@@ -65,6 +132,14 @@ def default_sizes(device: str, profile: str | None = None) -> tuple[str, ...]:
     if profile == "quick":
         return ("tiny",)
     return SIZE_ORDER if device == "cpu" else SIZE_ORDER[-1:]
+
+
+def default_layouts(device: str, size: str, profile: str | None = None) -> tuple[str, ...]:
+    """The layout keys of ``size``: all of them for :data:`CLUSTER_SIZES` on the CPU, else
+    the one process (and only that in the quick profile)."""
+    if device == "cpu" and profile != "quick" and size in CLUSTER_SIZES:
+        return tuple(LAYOUTS)
+    return ("",)
 
 
 def stage_figures(
@@ -145,11 +220,14 @@ def _cpu_name() -> str:
 def run_throughput_suite(
     args: BenchArgs,
     sizes: Sequence[str] | None = None,
+    layouts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Train each size for a few steps (finished runs are reused) and write the figures.
+    """Train each size in each layout for a few steps (finished runs are reused) and write
+    the figures.
 
-    ``sizes`` defaults to :func:`default_sizes` for the runs' device. Returns
-    ``{"summary_json", "summary_md", "plots"}`` paths.
+    ``sizes`` defaults to :func:`default_sizes` for the runs' device, ``layouts`` (keys of
+    :data:`LAYOUTS`) to :func:`default_layouts` per size. Returns ``{"summary_json",
+    "summary_md", "plots"}`` paths.
     """
     out, seeds, steps, overrides, profile, echo = args.unpack()
     from anchor_rl.trainer.logging import read_metrics
@@ -160,16 +238,27 @@ def run_throughput_suite(
     unknown = set(wanted) - set(SIZE_ORDER)
     if unknown:
         raise ValueError(f"unknown sizes {sorted(unknown)}; sizes: {', '.join(SIZE_ORDER)}")
-    specs = [s for s in specs if s.label.split("+")[1] in wanted]
+    if layouts is not None and (bad := set(layouts) - set(LAYOUTS)):
+        raise ValueError(f"unknown layouts {sorted(bad)}; layouts: {', '.join(map(repr, LAYOUTS))}")
+    chosen = {
+        _variant(size, key): (size, key)
+        for size in wanted
+        for key in (layouts if layouts is not None else default_layouts(device, size, profile))
+    }
+    specs = [s for s in specs if s.label.split("+")[1] in chosen]
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, spec in enumerate(specs, 1):
-        size = spec.label.split("+")[1]
-        echo(f"[{i}/{len(specs)}] {size} seed {spec.seed} -> {spec.run_dir}")
-        run_spec(spec)
+        size, key = chosen[spec.label.split("+")[1]]
+        layout = LAYOUTS[key]
+        echo(f"[{i}/{len(specs)}] {size}, {layout.name}, seed {spec.seed} -> {spec.run_dir}")
+        with _threads(layout.threads):
+            run_spec(spec)
         rows.append(
             {
                 "size": size,
+                "layout": layout.name,
+                "driver_threads": layout.threads,
                 "seed": spec.seed,
                 "dir": str(spec.run_dir),
                 "parameters": parameter_count(size),
@@ -218,14 +307,15 @@ def markdown(payload: Mapping[str, Any]) -> str:
         "/ seconds in log-probs (old and reference policy), advantage and the optimizer step. "
         "Shares are of the whole step.",
         "",
-        "| size | parameters | tokens/step | rollout tok/s | update tok/s | s/step | generate "
-        "| score | update | other |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| size | layout | parameters | tokens/step | rollout tok/s | update tok/s | s/step "
+        "| generate | score | update | other |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in payload["rows"]:
         f = row["figures"]
         lines.append(
-            f"| {row['size']} | {row['parameters'] / 1e6:.1f}M | {f['tokens_per_step']:.0f} | "
+            f"| {row['size']} | {row.get('layout', '1 process')} | {row['parameters'] / 1e6:.1f}M "
+            f"| {f['tokens_per_step']:.0f} | "
             f"{f['rollout_tok_s']:.0f} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
             + " | ".join(f"{100 * f[f'frac_{k}']:.1f}%" for k in (*STAGES, "other"))
             + " |"
@@ -240,7 +330,7 @@ def plot_stages(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 
     fig = Figure(figsize=(6.4, 1.2 + 0.6 * len(rows)), layout="constrained")
     ax = fig.subplots()
-    labels = [r["size"] for r in rows]
+    labels = [f"{r['size']}, {r.get('layout', '1 process')}" for r in rows]
     left = [0.0] * len(rows)
     for stage in (*STAGES, "other"):
         widths = [r["figures"][f"frac_{stage}"] * r["figures"]["s_per_step"] for r in rows]

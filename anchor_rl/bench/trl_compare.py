@@ -373,7 +373,7 @@ def _run_once(framework: str, cfg: TrainConfig, run_dir: Path) -> dict[str, Any]
 
 def _worker(framework: str, config: dict[str, Any], run_dir: str) -> None:
     """Process entry point: train one framework and write ``result.json``."""
-    from anchor_rl.models.spec import quiet_transformers
+    from anchor_rl.models.loading import quiet_transformers
 
     cfg = build_config(config)
     train = _train_anchor if framework == "anchor-rl" else _train_trl
@@ -466,8 +466,8 @@ def _train_trl(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
 def _initial_policy(cfg: TrainConfig, run_dir: Path) -> tuple[Any, Any]:
     """The run's initial policy, loaded from a directory (TRL builds its reference model
     from the policy's ``name_or_path``); a ``random:`` spec is saved to ``run_dir/initial``."""
-    from anchor_rl.models.loading import load_policy, save_policy
-    from anchor_rl.models.spec import load_spec, quiet_transformers
+    from anchor_rl.models.loading import load_policy, quiet_transformers, save_policy
+    from anchor_rl.models.spec import load_spec
 
     policy, tokenizer = load_spec(
         cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
@@ -562,8 +562,8 @@ class _StepClock:
 
 def _evaluate_seed(spec: RunSpec, out: Path, results: dict[str, list[dict[str, Any]]]) -> None:
     """Held-out metrics of the initial and both final models (same function, same prompts)."""
-    from anchor_rl.models.loading import load_policy
-    from anchor_rl.models.spec import load_spec, quiet_transformers
+    from anchor_rl.models.loading import load_policy, quiet_transformers
+    from anchor_rl.models.spec import load_spec
     from anchor_rl.rollout.engine import make_engine
     from anchor_rl.trainer.run import evaluate_model, load_task
 

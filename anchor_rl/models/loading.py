@@ -7,6 +7,8 @@ built-in tiny models are saved the same way as any other causal LM.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -97,8 +99,9 @@ def save_policy(
     """Write model weights, config and tokenizer to ``path`` (created if missing)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with quiet_transformers():
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     return path
 
 
@@ -120,3 +123,17 @@ def disable_dropout(model: torch.nn.Module) -> int:
                 setattr(module, name, 0.0)
                 changed += 1
     return changed
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hide transformers' loading/saving bars (they would tear through the run's progress bar)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

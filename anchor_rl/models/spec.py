@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import SIZES, build_model
-from anchor_rl.models.loading import load_policy
+from anchor_rl.models.loading import load_policy, quiet_transformers
 from anchor_rl.models.tokenizer import build_tokenizer
 
 
@@ -86,17 +84,3 @@ def frozen(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Hide transformers' loading/saving bars (they would tear through the run's progress bar)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

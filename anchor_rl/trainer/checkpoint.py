@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from anchor_rl.errors import AnchorRLError
-from anchor_rl.models.loading import save_policy
-from anchor_rl.models.spec import quiet_transformers
+from anchor_rl.models.loading import quiet_transformers, save_policy
 from anchor_rl.trainer.component import Component
 from anchor_rl.trainer.state import TrainState
 

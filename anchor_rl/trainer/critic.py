@@ -47,9 +47,8 @@ from anchor_rl.algos.advantages import masked_whiten
 from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.models.critic import Critic
-from anchor_rl.models.loading import disable_dropout
+from anchor_rl.models.loading import disable_dropout, quiet_transformers
 from anchor_rl.models.sft import cache_root
-from anchor_rl.models.spec import quiet_transformers
 from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
 from anchor_rl.rollout.engine import Engine

@@ -27,8 +27,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos.registry import get_estimator
 from anchor_rl.errors import AnchorRLError
-from anchor_rl.models.loading import check_device, disable_dropout, load_policy
-from anchor_rl.models.spec import load_spec, quiet_transformers
+from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
+from anchor_rl.models.spec import load_spec
 from anchor_rl.rollout.engine import Engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.types import SamplingParams
@@ -49,8 +49,10 @@ from anchor_rl.trainer.v05_probe import V05Probe
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
-RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.")
-"""Fields a resumed run may change: how long it runs and what it records, not what it learns."""
+RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.", "cluster.")
+"""Fields a resumed run may change: how long it runs, what it records and where its work
+runs (rollouts are seeded per request, checkpoints are one consolidated state), not what it
+learns."""
 
 
 @dataclass
@@ -160,7 +162,7 @@ def resume_run(
         if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
             raise ConfigError(
                 f"{key!r} cannot change on resume (only steps, time_limit, eval.*, checkpoint.*, "
-                "log.*): it would change what the run learns; start a new run with --out"
+                "log.*, cluster.*): it would change what the run learns; start a new run with --out"
             )
     cfg = build_config(apply_overrides(table, overrides))
     if not checkpoint.list_checkpoints(run_dir):  # stopped before its first checkpoint

@@ -20,7 +20,7 @@ from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.learners import LearnerGroup
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
-from anchor_rl.trainer.run import start_run
+from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import make_optimizer, ppo_update
 
 
@@ -100,6 +100,15 @@ def test_a_seeded_run_on_two_learners_matches_one(parity, tiny, tmp_path, one_th
     for (name, x), y in zip(one.policy.state_dict().items(), two.policy.state_dict().values(),
                             strict=True):  # fmt: skip
         torch.testing.assert_close(x, y, rtol=0, atol=1e-2 * 1e-2, msg=name)  # 1% of lr, as above
+
+
+def test_a_run_on_two_learners_resumes_on_one(parity, tiny, tmp_path, one_thread) -> None:
+    base = [*tiny, "eval.every=0", "checkpoint.every=1", "cluster.threads_per_learner=1"]
+    two = train(start_run(load_config("grpo", [*base, "steps=2", "cluster.learners=2"]),
+                          tmp_path / "run"))  # fmt: skip
+    resumed = train(resume_run(two.run_dir, {"steps": 3, "cluster.learners": 1}))
+    assert resumed.cfg.cluster.learners == 1 and resumed.learners is None  # never started
+    assert [r["step"] for r in read_metrics(resumed.run_dir)] == [1, 2, 3]
 
 
 @pytest.mark.slow
