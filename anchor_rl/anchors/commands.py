@@ -79,7 +79,13 @@ MaxNewOpt = Annotated[
 MaxTurnsOpt = Annotated[
     int | None, typer.Option(min=0, help="Most tool calls per response." + FROM_PRESET)
 ]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling (and of a random:SIZE init).")]
+SeedOpt = Annotated[
+    int,
+    typer.Option(
+        help="Seed of the anchor draw (part of the store key) and of a random:SIZE init: the "
+        "training run's seed, or its pvpo.presample_seed, for the run to find these anchors."
+    ),
+]
 DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
 
 
@@ -160,7 +166,7 @@ def _setup(
     if model.startswith("http:"):
         engine = _served(model, tokenizer_dir)
         policy, tokenizer = None, engine.tokenizer
-        key = _served_key(engine, params, task_id)
+        key = _served_key(engine, params, task_id, seed)
     else:
         try:
             policy, tokenizer = load_spec(model, task, kwargs, seed, device)
@@ -168,7 +174,7 @@ def _setup(
             raise typer.BadParameter(str(exc), param_hint="--model") from exc
         policy = frozen(policy)
         engine = make_engine("hf", policy, tokenizer)
-        key = presample_key(policy, tokenizer, params, task_id)
+        key = presample_key(policy, tokenizer, params, task_id, seed=seed)
     return _Setup(
         cfg,
         policy,
@@ -197,17 +203,13 @@ def _served(model: str, tokenizer_dir: Path | None) -> Any:
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
 
 
-def _served_key(engine: Any, params: SamplingParams, task_id: str) -> AnchorKey:
+def _served_key(engine: Any, params: SamplingParams, task_id: str, seed: int) -> AnchorKey:
     """The presample key of a served model. Its model fingerprint is the content fingerprint
     the server reports (``anchor-rl serve``: ``fingerprint_model`` of its weights, so the key
     is the one an in-process presample of the same weights has), else the served model's
     name: a server that swaps weights under one name is then not detected."""
-    from anchor_rl.anchors.keys import (
-        AnchorKey,
-        canonical_json,
-        fingerprint_tokenizer,
-        sampling_settings,
-    )
+    from anchor_rl.anchors.keys import AnchorKey, canonical_json, fingerprint_tokenizer
+    from anchor_rl.anchors.presample import seeded_settings
 
     info = engine.info(refresh=True)
     tokenizer = fingerprint_tokenizer(engine.tokenizer)
@@ -221,7 +223,7 @@ def _served_key(engine: Any, params: SamplingParams, task_id: str) -> AnchorKey:
     return AnchorKey(
         model=model,
         tokenizer=tokenizer,
-        sampling=sampling_settings(params),
+        sampling=seeded_settings(params, seed),
         task=task_id,
         tag="presample",
     )

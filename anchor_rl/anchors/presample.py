@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -53,6 +53,7 @@ __all__ = [
     "presample",
     "presample_key",
     "refresh_anchors",
+    "seeded_settings",
     "refresh_key",
     "task_params",
 ]
@@ -212,22 +213,30 @@ def task_params(params: SamplingParams, task: Task) -> SamplingParams:
     return dataclasses.replace(params, stop=list(dict.fromkeys([*params.stop, *task.stop])))
 
 
+def seeded_settings(params: SamplingParams, seed: int) -> dict[str, Any]:
+    """The sampling settings of a presample key: ``params``' and the presampling ``seed``."""
+    return {**sampling_settings(params), "seed": int(seed)}
+
+
 def presample_key(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     params: SamplingParams,
     task_id: str,
     tag: str = "presample",
+    seed: int = 0,
 ) -> AnchorKey:
-    """The key of anchors made by ``model`` with ``params`` on the task ``task_id``.
+    """The key of anchors made by ``model`` with ``params`` on the task ``task_id``, drawn
+    with the presampling ``seed`` (:func:`presample`'s).
 
     Hashes the weights (:func:`~anchor_rl.anchors.keys.fingerprint_model`) and the tokenizer.
-    Pass the params the sampler really uses (see :func:`task_params`).
+    Pass the params the sampler really uses (see :func:`task_params`). The seed is part of
+    the sampling settings: two seeds are two independent anchor draws, never mixed.
     """
     return AnchorKey(
         model=fingerprint_model(model),
         tokenizer=fingerprint_tokenizer(tokenizer),
-        sampling=sampling_settings(params),
+        sampling=seeded_settings(params, seed),
         task=task_id,
         tag=tag,
     )

@@ -18,6 +18,7 @@ FUNCTION_SUITES = {
     "trl": "anchor_rl.bench.trl_compare:run_trl_suite",
     "throughput": "anchor_rl.bench.throughput:run_throughput_suite",
     "baseline-mse": "anchor_rl.bench.probe:run_baseline_mse_suite",
+    "trl-pvpo": "anchor_rl.integrations.trl.bench:run_trl_pvpo_suite",
 }
 """Suites that are a function, not a suite file: ``fn(BenchArgs) -> {"summary_json",
 "summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""

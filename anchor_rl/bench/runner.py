@@ -25,6 +25,8 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
     target_accuracy = 0.5               # optional: report wall time and rollouts to reach it
     target_metric = "eval/train_accuracy"  # optional: the metric it applies to (default eval/accuracy)
+    baseline = "grpo"                   # optional: the run label the paired table compares to
+                                        #   (default: the first label)
 
 Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
 ``per_preset`` last), the variant, ``seed``, the command line (``--steps``, ``key=value``). Every run's config is validated before the first
@@ -63,6 +65,7 @@ SUITE_KEYS = {
     "runs",
     "target_accuracy",
     "target_metric",
+    "baseline",
 }
 
 
@@ -85,6 +88,9 @@ class Suite:
     """Accuracy whose first crossing the summary times (``target_*`` figures)."""
     target_metric: str = "eval/accuracy"
     """The metric ``target_accuracy`` applies to (``eval/train_accuracy``: training prompts)."""
+    baseline: str | None = None
+    """The run label the paired comparisons over held-out prompts compare every other label
+    to (None: the first label)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,7 @@ def load_suite(name_or_path: str) -> Suite:
         runs=list(table.get("runs", [])),
         target_accuracy=table.get("target_accuracy"),
         target_metric=table.get("target_metric", "eval/accuracy"),
+        baseline=table.get("baseline"),
     )
 
 
@@ -272,7 +279,9 @@ def run_suite(
     for i, spec in enumerate(specs, 1):
         echo(f"[{i}/{len(specs)}] {spec.label} seed {spec.seed} -> {spec.run_dir}")
         run_spec(spec)
-    return report(suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric)
+    return report(
+        suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric, suite.baseline
+    )
 
 
 def report(
@@ -281,12 +290,20 @@ def report(
     out: Path,
     target: float | None = None,
     metric: str = "eval/accuracy",
+    baseline: str | None = None,
 ) -> dict[str, Any]:
     """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
-    value of ``metric`` whose first crossing is timed)."""
+    value of ``metric`` whose first crossing is timed; ``baseline``: the label the paired
+    comparisons over held-out prompts compare to, default the first)."""
     from anchor_rl.bench.plots import plot_suite
-    from anchor_rl.bench.summary import run_figures, summarise, write_summary
-    from anchor_rl.trainer.logging import read_metrics
+    from anchor_rl.bench.summary import (
+        paired,
+        prompt_accuracy,
+        run_figures,
+        summarise,
+        write_summary,
+    )
+    from anchor_rl.trainer.logging import read_evals, read_metrics
 
     records = {spec.run_dir: read_metrics(spec.run_dir) for spec in specs}
     runs = [
@@ -299,7 +316,15 @@ def report(
         for spec in specs
     ]
     groups = summarise(runs)
-    json_path, md_path = write_summary(out, name, runs, groups)
+    per_prompt: dict[str, list] = {}
+    for spec in specs:
+        pair = prompt_accuracy(read_evals(spec.run_dir))
+        per_prompt.setdefault(spec.label, []).extend([pair] if pair else [])
+    labels = list(per_prompt)
+    if baseline is not None and baseline not in labels:
+        raise ConfigError(f"suite {name!r}: baseline {baseline!r} is not among its runs {labels}")
+    comparisons = paired(per_prompt, baseline or labels[0])
+    json_path, md_path = write_summary(out, name, runs, groups, comparisons)
     by_label: dict[str, list] = {}
     for spec in specs:
         by_label.setdefault(spec.label, []).append(records[spec.run_dir])

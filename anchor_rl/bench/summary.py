@@ -1,7 +1,8 @@
-"""Per-run figures from metrics.jsonl, aggregated over seeds into mean and 95% t-interval.
+"""Per-run figures from metrics.jsonl, aggregated over seeds into mean and 95% t-interval,
+and paired comparisons over held-out prompts from evals.jsonl.
 
-Written as ``summary.json`` (every run's figures and every group's intervals) and
-``summary.md`` (one table row per preset/variant).
+Written as ``summary.json`` (every run's figures, every group's intervals, the paired
+comparisons) and ``summary.md`` (one table row per preset/variant, then the paired table).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.stats import Interval, t_interval
+from anchor_rl.bench.stats import Interval, paired_bootstrap, t_interval
 
 FIGURES: dict[str, str] = {
     "eval_start": "held-out accuracy before training (step 0)",
     "eval_final": "held-out accuracy at the last evaluation",
+    "eval_gain": "held-out accuracy gain over the reference: last evaluation minus step 0 (same prompts)",
     "eval_best": "best held-out accuracy over the evaluations",
     "train_start": "training-prompt accuracy before training (runs with eval.train_prompts)",
     "train_final": "training-prompt accuracy at the last evaluation",
@@ -26,8 +28,8 @@ FIGURES: dict[str, str] = {
     "generate_s": "mean seconds per step generating",
     "score_s": "mean seconds per step scoring",
     "update_s": "mean seconds per step in log-probs, advantage and update",
-    "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy",
-    "target_wall_s": "wall-clock seconds to the first evaluation at or above the target (seeds that reached it)",
+    "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy and stayed there",
+    "target_wall_s": "wall-clock seconds to the evaluation from which accuracy stays at or above the target (seeds that reached it)",
     "target_rollouts": "rollouts (as `rollouts`) to that evaluation",
 }
 TRAIN = ("train_start", "train_final")
@@ -37,6 +39,7 @@ TARGET = ("target_reached", "target_wall_s", "target_rollouts")
 TABLE = (
     "eval_start",
     "eval_final",
+    "eval_gain",
     "reward_last",
     "rollouts",
     "wall_s",
@@ -46,23 +49,41 @@ TABLE = (
 )
 
 
+def first_sustained(values: Sequence[float], target: float) -> int | None:
+    """The first index from which every value is ``>= target`` to the end, or None.
+
+    A target counts as reached only where the curve stays at or above it: a single noisy
+    evaluation over the target followed by a drop is no hit (a speed-up claim built on it
+    would be noise).
+    """
+    reached = None
+    for i, v in enumerate(values):
+        if v < target:
+            reached = None
+        elif reached is None:
+            reached = i
+    return reached
+
+
 def time_to_accuracy(
     records: Sequence[Mapping[str, float]], target: float, metric: str = "eval/accuracy"
 ) -> dict[str, float]:
-    """Wall time and rollouts at the first evaluation with ``metric`` >= ``target``.
+    """Wall time and rollouts at the evaluation from which ``metric`` stays >= ``target``
+    (:func:`first_sustained`).
 
     ``{"target_reached": 1.0, "target_wall_s": ..., "target_rollouts": ...}``, or only
-    ``{"target_reached": 0.0}`` when no evaluation reached it.
+    ``{"target_reached": 0.0}`` when the run does not end at or above it.
     """
-    for r in records:
-        if r.get(metric, -1.0) >= target:
-            rollouts = r.get("rollouts/total", r["rollouts/cumulative"])
-            return {
-                "target_reached": 1.0,
-                "target_wall_s": r["time/elapsed"],
-                "target_rollouts": rollouts,
-            }
-    return {"target_reached": 0.0}
+    evaluated = [r for r in records if metric in r]
+    i = first_sustained([r[metric] for r in evaluated], target)
+    if i is None:
+        return {"target_reached": 0.0}
+    r = evaluated[i]
+    return {
+        "target_reached": 1.0,
+        "target_wall_s": r["time/elapsed"],
+        "target_rollouts": r.get("rollouts/total", r["rollouts/cumulative"]),
+    }
 
 
 def run_figures(
@@ -91,6 +112,8 @@ def run_figures(
         if evals[0]["step"] == 0:
             out["eval_start"] = evals[0]["eval/accuracy"]
         out["eval_final"] = evals[-1]["eval/accuracy"]
+        if "eval_start" in out:
+            out["eval_gain"] = out["eval_final"] - out["eval_start"]
         out["eval_best"] = max(r["eval/accuracy"] for r in evals)
     train = [r for r in records if "eval/train_accuracy" in r]
     if train:
@@ -118,16 +141,107 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def prompt_accuracy(
+    evals: Sequence[Mapping[str, Any]], split: str = "test"
+) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Per-prompt accuracy (correct / k) of a run at step 0 and at its last evaluation, from
+    its ``evals.jsonl`` records; None without both (the last record per step counts)."""
+    by_step = {e["step"]: e[split] for e in evals if split in e}
+    if 0 not in by_step or len(by_step) < 2:
+        return None
+
+    def accuracy(entry: Mapping[str, Any]) -> dict[str, float]:
+        return {pid: c / entry["k"] for pid, c in entry["correct"].items()}
+
+    return accuracy(by_step[0]), accuracy(by_step[max(by_step)])
+
+
+def paired(
+    runs: Mapping[str, Sequence[tuple[dict[str, float], dict[str, float]]]],
+    baseline: str | None = None,
+) -> dict[str, Any]:
+    """Paired comparisons over held-out prompts, pooled over seeds.
+
+    ``runs``: label -> one ``(start, final)`` pair of per-prompt accuracies per seed
+    (:func:`prompt_accuracy`). For each label, ``gain``: per prompt, the mean over seeds of
+    final minus start, with its paired bootstrap interval; with a ``baseline`` label, for
+    every other label ``vs_baseline``: per prompt, the label's mean final accuracy minus the
+    baseline's, bootstrapped. Only prompts every seed of both sides evaluated count.
+    """
+
+    def common(pairs, *more) -> list[str]:
+        maps = [m for pair in (*pairs, *more) for m in pair]
+        return sorted(set.intersection(*(set(m) for m in maps)))
+
+    def mean_over_seeds(pairs, which: int, ids: list[str]) -> list[float]:
+        return [sum(pair[which][p] for pair in pairs) / len(pairs) for p in ids]
+
+    out: dict[str, Any] = {"gain": {}, "vs_baseline": {}, "baseline": baseline}
+    for label, pairs in runs.items():
+        if not pairs:
+            continue
+        ids = common(pairs)
+        start, final = mean_over_seeds(pairs, 0, ids), mean_over_seeds(pairs, 1, ids)
+        out["gain"][label] = _bootstrap_dict([f - s for f, s in zip(final, start, strict=True)])
+        if baseline in runs and label != baseline and runs[baseline]:
+            ids = common(pairs, *runs[baseline])
+            ours = mean_over_seeds(pairs, 1, ids)
+            theirs = mean_over_seeds(runs[baseline], 1, ids)
+            out["vs_baseline"][label] = _bootstrap_dict(
+                [a - b for a, b in zip(ours, theirs, strict=True)]
+            )
+    return out
+
+
+def _bootstrap_dict(diffs: Sequence[float]) -> dict[str, Any]:
+    b = paired_bootstrap(diffs)
+    return {"mean": b.mean, "low": b.low, "high": b.high, "prompts": b.n,
+            "resamples": b.resamples}  # fmt: skip
+
+
 def write_summary(
-    out: Path, suite: str, runs: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+    out: Path,
+    suite: str,
+    runs: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]],
+    comparisons: Mapping[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """summary.json and summary.md in ``out``."""
+    """summary.json and summary.md in ``out`` (``comparisons``: :func:`paired`)."""
     out = Path(out)
     json_path, md_path = out / "summary.json", out / "summary.md"
     payload = {"suite": suite, "figures": FIGURES, "groups": list(groups), "runs": list(runs)}
+    if comparisons is not None:
+        payload["paired"] = dict(comparisons)
     json_path.write_text(json.dumps(payload, indent=2))
-    md_path.write_text(markdown_table(suite, groups))
+    text = markdown_table(suite, groups)
+    if comparisons is not None and comparisons["gain"]:
+        text += paired_table(comparisons)
+    md_path.write_text(text)
     return json_path, md_path
+
+
+def paired_table(comparisons: Mapping[str, Any]) -> str:
+    """The paired comparisons as markdown: gain over the reference and difference to the
+    baseline, mean [95% percentile bootstrap] over held-out prompts."""
+    baseline = comparisons.get("baseline")
+    lines = [
+        "## Paired over held-out prompts",
+        "",
+        "Per prompt, the mean over seeds; mean and 95% percentile-bootstrap interval over "
+        "prompts (10,000 resamples). The t intervals above are over seeds.",
+        "",
+        f"| run | prompts | gain over the reference | vs `{baseline}` (final accuracy) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, gain in comparisons["gain"].items():
+        vs = comparisons["vs_baseline"].get(label)
+        cells = [_fmt_boot(gain), "–" if vs is None else _fmt_boot(vs)]
+        lines.append(f"| {label} | {gain['prompts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_boot(b: Mapping[str, Any]) -> str:
+    return f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
 
 
 def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:

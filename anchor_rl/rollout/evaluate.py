@@ -10,12 +10,14 @@ PVPO's group sampling treats differently.
 from __future__ import annotations
 
 import math
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
 from anchor_rl.progress import Progress
+from anchor_rl.rewards.extract import extract_answer
 from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.rollout.types import SamplingParams
 
@@ -55,6 +57,37 @@ def accuracy_metrics(correct: Sequence[int], k: int) -> dict[str, float]:
     return metrics
 
 
+def majority_correct(texts: Sequence[str], correct: Sequence[bool]) -> bool:
+    """Whether the majority answer of ``texts`` is correct (maj@k for one prompt).
+
+    Answers are :func:`~anchor_rl.rewards.extract.extract_answer` of each text, stripped;
+    texts without one do not vote. The most common answer wins, a tie going to the answer
+    seen first; it is correct when the first text that gave it was (``correct[i]`` is the
+    task's verdict on ``texts[i]``). No answer at all: False.
+    """
+    answers = [extract_answer(t) for t in texts]
+    votes = Counter(a.strip() for a in answers if a is not None)
+    if not votes:
+        return False
+    top = max(votes.values())
+    first = {}
+    for i, a in enumerate(answers):
+        if a is not None:
+            first.setdefault(a.strip(), i)
+    winner = min((a for a, n in votes.items() if n == top), key=first.__getitem__)
+    return bool(correct[first[winner]])
+
+
+def by_difficulty(records: Sequence[Record], correct: Sequence[int], k: int) -> dict[str, float]:
+    """avg@k per ``record.meta["difficulty"]`` (records without one are left out), keys as
+    strings in ascending difficulty."""
+    groups: dict[Any, list[int]] = defaultdict(list)
+    for record, c in zip(records, correct, strict=True):
+        if "difficulty" in record.meta:
+            groups[record.meta["difficulty"]].append(c)
+    return {str(d): sum(cs) / (len(cs) * k) for d, cs in sorted(groups.items())}
+
+
 def trace_budget(tokenizer: PreTrainedTokenizerBase, task: Task, records: Sequence[Record]) -> int:
     """A response budget sized from the task's reference traces: 1.5 x the longest trace of
     ``records`` in tokens, rounded up to a multiple of 32. Raises NotImplementedError for a
@@ -79,9 +112,11 @@ def evaluate(
     ``params`` defaults to ``SamplingParams(stop=task.stop)``; the task's tools are used.
     Sample ``j`` of record ``r`` is seeded by ``("eval", seed, split, r.id, j)``, so the
     figures do not depend on ``chunk`` (about how many responses each engine call samples).
-    Returns the ``accuracy_metrics`` plus ``mean_reward``, ``mean_response_tokens``
-    (tool output included), ``mean_policy_tokens``, ``mean_tool_calls``,
-    ``truncated`` (fraction), counts, and ``per_prompt`` (record id -> correct count).
+    Returns the ``accuracy_metrics`` plus ``maj@k`` (k > 1: the share of prompts whose
+    majority answer is correct, :func:`majority_correct`), ``mean_reward``,
+    ``mean_response_tokens`` (tool output included), ``mean_policy_tokens``,
+    ``mean_tool_calls``, ``truncated`` (fraction), counts, ``by_difficulty`` (avg@k per
+    ``meta["difficulty"]``) and ``per_prompt`` (record id -> correct count).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -91,6 +126,7 @@ def evaluate(
         raise ValueError(f"task {task.name!r} has no {split} records")
     per_chunk = max(1, chunk // k)
     correct: list[int] = []
+    majority: list[bool] = []
     rewards: list[float] = []
     totals = {"response": 0.0, "policy": 0.0, "tools": 0.0, "truncated": 0.0}
     with Progress(f"eval {task.name}/{split}", len(records), enabled=progress) as bar:
@@ -102,7 +138,9 @@ def evaluate(
             batch = engine.rollout(requests, params, task.tools, task.instruction)
             for i, record in enumerate(part):
                 texts = batch.texts[i * k : (i + 1) * k]
-                correct.append(sum(task.correct(t, record) for t in texts))
+                verdicts = [task.correct(t, record) for t in texts]
+                correct.append(sum(verdicts))
+                majority.append(k > 1 and majority_correct(texts, verdicts))
                 rewards += [task.reward(t, record) for t in texts]
             totals["response"] += batch.attention_mask.sum().item()
             totals["policy"] += batch.loss_mask.sum().item()
@@ -117,6 +155,7 @@ def evaluate(
         "prompts": len(records),
         "samples": samples,
         **accuracy_metrics(correct, k),
+        **({f"maj@{k}": sum(majority) / len(records)} if k > 1 else {}),
         "mean_reward": sum(rewards) / samples,
         "mean_response_tokens": totals["response"] / samples,
         "mean_policy_tokens": totals["policy"] / samples,
@@ -129,5 +168,6 @@ def evaluate(
             "max_turns": params.max_turns,
             "stop": list(params.stop),
         },
+        "by_difficulty": by_difficulty(records, correct, k),
         "per_prompt": {r.id: c for r, c in zip(records, correct, strict=True)},
     }

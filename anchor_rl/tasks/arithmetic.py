@@ -13,7 +13,10 @@ integer below 10,000 x n.
 
 from __future__ import annotations
 
+import logging
+import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 from anchor_rl.rewards.extract import extract_answer
@@ -23,9 +26,15 @@ from anchor_rl.tasks.base import GuardedTask, Record, Split
 Level = tuple[int, int]
 """(number of operands, digits per operand): operands 2..5, digits 1..3."""
 
-# The default mix is calibrated for the built-in tiny reference (docs/testbed.md): harder levels
-# (5 operands, 3 digits) stay available through ``levels``.
-DEFAULT_LEVELS: tuple[Level, ...] = tuple((n, d) for n in (2, 3, 4) for d in (1, 2))
+_log = logging.getLogger(__name__)
+
+# The default testbed is calibrated for the built-in tiny reference (docs/testbed.md): one-digit
+# operands, whose steps (a 1-2 digit number plus or times a digit) recur across prompts, so
+# 30,000 training prompts teach a procedure rather than answers; the reference solves held-out
+# prompts as often as training ones. Multi-digit levels stay available through ``levels``.
+DEFAULT_LEVELS: tuple[Level, ...] = ((3, 1), (4, 1), (5, 1))
+DEFAULT_N_TRAIN = 30_000
+DEFAULT_N_TEST = 1_000
 
 
 def difficulty(level: Level) -> int:
@@ -112,8 +121,11 @@ class ArithmeticTask(GuardedTask):
     Args:
         n_train, n_test: records per split (prompts are distinct across both).
         seed: the generator seed; same arguments give the same records.
-        levels: the ``(operands, digits)`` levels to mix; default operands 2..4 x digits 1..2.
-        weights: sampling weight per level (default uniform).
+        levels: the ``(operands, digits)`` levels to mix; default 3, 4 and 5 one-digit operands.
+        weights: sampling weight per level (default uniform). A level whose distinct
+            expressions run out (three one-digit operands: about 3,700) holds fewer records
+            than its weight asks for and the other levels fill the split; ``level_counts``
+            has the realized mix.
         mul_prob: probability that an operator is ``*`` (where a product is allowed).
     """
 
@@ -125,8 +137,8 @@ class ArithmeticTask(GuardedTask):
 
     def __init__(
         self,
-        n_train: int = 1000,
-        n_test: int = 200,
+        n_train: int = DEFAULT_N_TRAIN,
+        n_test: int = DEFAULT_N_TEST,
         seed: int = 0,
         levels: Sequence[Sequence[int]] = DEFAULT_LEVELS,
         weights: Sequence[float] | None = None,
@@ -147,6 +159,20 @@ class ArithmeticTask(GuardedTask):
             return make_expression(rng, level, mul_prob)
 
         self._splits = unique_splits(self.name, seed, n_train, n_test, draw)
+        self.level_counts = _level_counts(self._splits["test"] + self._splits["train"])
+        default = (tuple(self.levels), weights, n_train, n_test) == (
+            DEFAULT_LEVELS,
+            None,
+            DEFAULT_N_TRAIN,
+            DEFAULT_N_TEST,
+        )  # the default's realized mix is documented (docs/testbed.md): no warning each run
+        for level, short in exhausted_levels(self.levels, self.weights, self.level_counts):
+            (_log.info if default else _log.warning)(
+                "arithmetic level %s gave %d distinct prompts, not the %d its weight asks "
+                "for: its distinct expressions run short (repeats are rejected), so the "
+                "other levels fill the rest; task.level_counts has the mix",
+                level, self.level_counts.get(level, 0), short,
+            )  # fmt: skip
 
     def records(self, split: Split) -> list[Record]:
         return list(self._splits[split])
@@ -159,3 +185,29 @@ class ArithmeticTask(GuardedTask):
     def trace(self, record: Record) -> str:
         steps = " ".join(record.meta["steps"])
         return f"<think>{steps}</think><answer>{record.answer}</answer>"
+
+
+def _level_counts(records: Sequence[Record]) -> dict[Level, int]:
+    counts = Counter((r.meta["operands"], r.meta["digits"]) for r in records)
+    return {level: counts[level] for level in sorted(counts)}
+
+
+def exhausted_levels(
+    levels: Sequence[Level], weights: Sequence[float], counts: dict[Level, int]
+) -> list[tuple[Level, int]]:
+    """The levels that hold clearly fewer records than their weight asks for, with that number.
+
+    A level has finitely many distinct expressions (two 1-digit operands: a few hundred).
+    Records are distinct, so once a level's expressions run out its draws are rejected and
+    the other levels fill the split: the mix moves away from ``weights`` (say so, rather
+    than silently). "Clearly": under 90% of the expected count and more than 4 binomial
+    standard deviations below it, so sampling noise in a small task is not reported.
+    """
+    total, mass = sum(counts.values()), sum(weights)
+    short = []
+    for level, weight in zip(levels, weights, strict=True):
+        share = weight / mass
+        expected, sd = total * share, math.sqrt(total * share * (1 - share))
+        if counts.get(level, 0) < min(0.9 * expected, expected - 4 * sd):
+            short.append((level, round(expected)))
+    return short

@@ -536,8 +536,8 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
                 _no_effect(
                     "pvpo",
                     names,
-                    "V0.5's anchor prior uses only pvpo.m, "
-                    "pvpo.store and pvpo.presample_batch; the rest belongs to "
+                    "V0.5's anchor prior uses only pvpo.m, pvpo.store, "
+                    "pvpo.presample_batch and pvpo.presample_seed; the rest belongs to "
                     "group sampling (filter.kind=group)",
                 )
             )

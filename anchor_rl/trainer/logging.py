@@ -18,6 +18,9 @@ from anchor_rl.progress import Progress, figure
 from anchor_rl.trainer.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
+EVALS_FILE = "evals.jsonl"
+"""Per-prompt results of every evaluation: ``{"step": s, "test": {"k": k, "correct":
+{record id: correct samples}}, "train": {...}}`` (paired comparisons over prompts)."""
 
 
 class Sink(Protocol):
@@ -27,22 +30,24 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """Appends ``{"step": s, **metrics}`` lines to RUN_DIR/metrics.jsonl.
+    """Appends ``{"step": s, **metrics}`` lines to RUN_DIR/metrics.jsonl (or RUN_DIR/``name``).
 
     On resume from step ``s`` the lines of steps after ``s`` (written after the checkpoint
     by the stopped run) are dropped first, so the file never holds a step twice.
     """
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(
+        self, run_dir: Path, resume_step: int | None = None, name: str = METRICS_FILE
+    ) -> None:
+        self.path = Path(run_dir) / name
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            kept = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None:
             self.path.write_text("")
         self._file = self.path.open("a")
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
@@ -121,6 +126,13 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     if path.is_dir():
         path = path / METRICS_FILE
     return read_jsonl(path)
+
+
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-prompt evaluation records of a run (:data:`EVALS_FILE`), oldest first; [] for a
+    run that wrote none."""
+    path = Path(run_dir) / EVALS_FILE
+    return read_jsonl(path) if path.is_file() else []
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import collect
 from anchor_rl.trainer.component import Step
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.logging import ProgressBar, open_sinks
+from anchor_rl.trainer.logging import EVALS_FILE, JsonlSink, ProgressBar, open_sinks
 from anchor_rl.trainer.run import Run, counters, evaluate_policy, write_summary
 from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.update import (
@@ -108,12 +108,15 @@ def train(run: Run) -> Run:
     cfg, state = run.cfg, run.state
     resumed_at = state.step or None  # a resumed run always restarts after a saved step >= 1
     sinks = open_sinks(cfg.log, run.run_dir, cfg.model_dump(mode="json"), resumed_at)
+    evals = JsonlSink(run.run_dir, resumed_at, EVALS_FILE)  # per-prompt results
     metrics: dict[str, float] = {}
     try:
         with ProgressBar(cfg.steps, state.step, cfg.log.progress) as bar:
             if state.step == 0 and cfg.eval.every:
                 started = time.perf_counter()
-                metrics = {**evaluate_policy(run, 0), **counters(run)}
+                scores, details = evaluate_policy(run, 0)
+                evals.log(0, details)
+                metrics = {**scores, **counters(run)}
                 state.elapsed += time.perf_counter() - started
                 _log(sinks, bar, 0, metrics | {"time/elapsed": state.elapsed})
             while state.step < cfg.steps and not _out_of_time(cfg, state.elapsed):
@@ -130,14 +133,16 @@ def train(run: Run) -> Run:
                     cfg, state.elapsed + time.perf_counter() - started
                 )
                 if cfg.eval.every and (state.step % cfg.eval.every == 0 or last):
-                    metrics |= evaluate_policy(run, state.step)
+                    scores, details = evaluate_policy(run, state.step)
+                    evals.log(state.step, details)
+                    metrics |= scores
                 metrics["time/step"] = time.perf_counter() - started
                 state.elapsed += metrics["time/step"]
                 _log(sinks, bar, state.step, metrics | {"time/elapsed": state.elapsed})
                 if (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0) or last:
                     run.save()
     finally:
-        for sink in sinks:
+        for sink in [*sinks, evals]:
             sink.close()
         run.close()
     write_summary(run, metrics)

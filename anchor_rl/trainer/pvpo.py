@@ -26,8 +26,9 @@ samples are rollouts of neither the policy nor the reference and are reported ap
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,9 @@ from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
 
 PRESAMPLE_SEED = 0
-"""Base seed of presampling, refresh and HF teachers. Fixed, so the anchors are a function of
-their key alone: every seed of a sweep trains against the same anchors, as it starts from
-the same SFT reference."""
+"""Seed of the HF teachers' samples (their trajectories are shared by every run with the same
+teacher key), and the default anchor seed of code that holds no run (integrations)."""
+_log = logging.getLogger(__name__)
 STORE_FILE = "anchors.db"
 RUN_FILE = "pvpo.json"
 FILTER_FILE = "pvpo_filter.json"
@@ -75,6 +76,11 @@ def store_path(cfg: PVPOConfig) -> Path:
     return Path(cfg.store) if cfg.store else cache_root() / STORE_FILE
 
 
+def anchor_seed(cfg: TrainConfig) -> int:
+    """The seed of a run's anchor draw: ``pvpo.presample_seed``, else the run's ``seed``."""
+    return cfg.seed if cfg.pvpo.presample_seed is None else cfg.pvpo.presample_seed
+
+
 def presample_params(cfg: TrainConfig, task: Task) -> SamplingParams:
     """The sampling settings of presampling and refreshes: the training rollout's."""
     return task_params(sampling_params(cfg, task), task)
@@ -83,9 +89,11 @@ def presample_params(cfg: TrainConfig, task: Task) -> SamplingParams:
 def reference_key(
     cfg: TrainConfig, task: Task, tokenizer: PreTrainedTokenizerBase, reference: PreTrainedModel
 ) -> AnchorKey:
-    """The store key of a run's presampled anchors: reference weights, tokenizer, settings, task."""
+    """The store key of a run's presampled anchors: reference weights, tokenizer, settings
+    (the anchor seed among them), task."""
     task_id = task_identity(cfg.task, task, cfg.task_args)
-    return presample_key(reference, tokenizer, presample_params(cfg, task), task_id)
+    params = presample_params(cfg, task)
+    return presample_key(reference, tokenizer, params, task_id, seed=anchor_seed(cfg))
 
 
 def batch_anchors(anchors: Mapping[str, AnchorStat], scored: Scored) -> Tensor:
@@ -169,23 +177,58 @@ class AnchorSet:
         return {pid: stat.mean for pid, stat in self.stats.items()}
 
 
+def presample_cost_note(prompts: int, m: int, run_rollouts: int) -> str | None:
+    """A warning when presampling ``prompts`` x ``m`` reference rollouts costs more than the
+    run's own ``run_rollouts`` policy rollouts (None otherwise)."""
+    cost = prompts * m
+    if cost <= run_rollouts:
+        return None
+    return (
+        f"PVPO presamples {prompts:,} training prompts x M={m} = {cost:,} reference rollouts, "
+        f"{cost / max(run_rollouts, 1):.1f}x the {run_rollouts:,} policy rollouts of the run "
+        "(rows already in the store are reused); train_prompts=K presamples and trains on the "
+        "first K prompts only"
+    )
+
+
 def presample_anchors(setup: Setup) -> AnchorSet:
     """Presample the reference ``pvpo.m`` times on every training prompt (rows already in
     ``pvpo.store`` under the same key are reused)."""
-    cfg, task, tokenizer = setup.cfg, setup.task, setup.tokenizer
+    cfg, task = setup.cfg, setup.task
+    run_rollouts = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.n
+    if note := presample_cost_note(len(setup.records), cfg.pvpo.m, run_rollouts):
+        _log.warning(note)
     reference = setup.get_reference()
+    return presample_set(
+        reference, setup.tokenizer, task, task_identity(cfg.task, task, cfg.task_args),
+        presample_params(cfg, task), setup.records, AnchorStore(store_path(cfg.pvpo)), cfg.pvpo,
+        cfg.engine, cfg.log.progress, seed=anchor_seed(cfg),
+    )  # fmt: skip
+
+
+def presample_set(
+    reference: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    task_id: str,
+    params: SamplingParams,
+    records: Sequence[Record],
+    store: AnchorStore,
+    pc: PVPOConfig,
+    engine: tuple[str, Mapping[str, Any]] = ("hf", {}),
+    progress: bool = True,
+    seed: int = PRESAMPLE_SEED,
+) -> AnchorSet:
+    """Presample ``reference`` ``pc.m`` times on every record into ``store`` (rows already stored
+    under the same key are reused), with ``params`` (:func:`presample_params`) and the anchor
+    ``seed`` through the engine ``engine = (name, options)``. Needs no run: an integration
+    holds the result."""
     started = time.perf_counter()
-    params = presample_params(cfg, task)
-    key = reference_key(cfg, task, tokenizer, reference)
-    store = AnchorStore(store_path(cfg.pvpo))
-    name, options = cfg.engine
-    engine = make_engine(name, reference, tokenizer, **options)
-    sampler = RolloutSampler(engine, task, params)
-    pc = cfg.pvpo
-    records = list(setup.records)
-    result = presample(
-        records, sampler, store, key, pc.m, pc.presample_batch, PRESAMPLE_SEED, cfg.log.progress
-    )
+    key = presample_key(reference, tokenizer, params, task_id, seed=seed)
+    name, options = engine
+    sampler = RolloutSampler(make_engine(name, reference, tokenizer, **options), task, params)
+    records = list(records)
+    result = presample(records, sampler, store, key, pc.m, pc.presample_batch, seed, progress)
     stats = store.get_anchors(key, [r.id for r in records])
     return AnchorSet(
         store, key, params, sampler, records, stats, result, time.perf_counter() - started
@@ -200,8 +243,7 @@ def build_teacher(
     params: SamplingParams,
 ) -> Teacher | None:
     """The teacher ``pvpo.teacher`` names, or None; see ``PVPOConfig.teacher``."""
-    pc = cfg.pvpo
-    if pc.teacher is None:
+    if cfg.pvpo.teacher is None:
         return None
 
     def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -210,6 +252,21 @@ def build_teacher(
         )
         return frozen(model), teacher_tokenizer
 
+    return pvpo_teacher(cfg.pvpo, task, tokenizer, reference, params, load_model)
+
+
+def pvpo_teacher(
+    pc: PVPOConfig,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    reference: PreTrainedModel | None,
+    params: SamplingParams,
+    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
+) -> Teacher | None:
+    """The teacher ``pc.teacher`` names (None for none); ``load_model(spec)`` loads an ``hf:``
+    teacher. Needs no run."""
+    if pc.teacher is None:
+        return None
     return make_teacher(
         pc.teacher, task, tokenizer, reference, params, load_model=load_model,
         tries=pc.teacher_tries, seed=PRESAMPLE_SEED, teacher_model=pc.teacher_model,
@@ -305,7 +362,7 @@ class PVPO(Component):
         result = refresh_anchors(
             self.records, sampler, self.set.store, self.set.key, pc.refresh_mode, completed,
             pc.m, model_fingerprint=fingerprint, batch_size=pc.presample_batch,
-            seed=PRESAMPLE_SEED,
+            seed=anchor_seed(self.cfg),
         )  # fmt: skip
         self.anchor_key, self.anchors = result.key.digest, result.anchors
         self.refresh_rollouts += anchor_rollouts(result.anchors, self.records)
@@ -339,17 +396,29 @@ def _group_sampling(setup: Setup, anchor_set: AnchorSet) -> FilterResult:
     reference = setup.get_reference() if cfg.pvpo.teacher == "oracle:reference" else None
     teacher = build_teacher(cfg, task, setup.tokenizer, reference, anchor_set.params)
     task_id = task_identity(cfg.task, task, cfg.task_args)
+    return group_sampling(anchor_set, teacher, task_id, cfg.pvpo, cfg.log.progress)
+
+
+def group_sampling(
+    anchor_set: AnchorSet,
+    teacher: Teacher | None,
+    task_id: str,
+    pc: PVPOConfig,
+    progress: bool = True,
+) -> FilterResult:
+    """Group sampling of ``anchor_set.records`` on their presampled statistics, the teacher's
+    outcomes cached in ``anchor_set.store``; ValueError when no prompt is left. Needs no run."""
     tkey = None if teacher is None else teacher_key(teacher, task_id)
     records = anchor_set.records
     result = group_filter(
         records, anchor_set.stats, teacher=teacher, store=anchor_set.store if teacher else None,
-        key=tkey, keep_unsolved=cfg.pvpo.keep_unsolved, progress=cfg.log.progress,
+        key=tkey, keep_unsolved=pc.keep_unsolved, progress=progress,
     )  # fmt: skip
     if not result.records:
         raise ValueError(
             f"group sampling left no training prompt of {len(records)}: the reference solves "
             f"{result.stats.acc_one} every time and no teacher trajectory covers the "
-            f"{result.stats.dropped_unsolved} it never solves (pvpo.teacher={cfg.pvpo.teacher!r}; "
+            f"{result.stats.dropped_unsolved} it never solves (pvpo.teacher={pc.teacher!r}; "
             "pvpo.keep_unsolved=true keeps those)"
         )
     return result

@@ -31,6 +31,10 @@ class PVPOConfig(BaseModel):
     with the same reference reuses them and never mixes in another reference's."""
     presample_batch: int = Field(16, gt=0)
     """Prompts per presampling (and refresh) engine call, M responses each."""
+    presample_seed: int | None = None
+    """Seed of the anchor draw (presampling and refreshes); part of the store key. None: the
+    run's `seed`, so every seed of a sweep presamples its own anchors and the spread over
+    seeds includes the anchors' noise. Set a number to share one draw across seeds."""
     teacher: str | None = "oracle"
     """Group sampling: who writes a correct trajectory for the prompts the reference never
     solves. `oracle`: the task's reference solution, written with probability 1 (log pi_gt =

@@ -222,18 +222,31 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def evaluate_policy(run: Run, step: int) -> dict[str, float]:
-    """Held-out metrics (``eval/*``) of the run's current policy; see :func:`evaluate_model`."""
-    return evaluate_model(run.engine, run.task, run.cfg, step)
+def evaluate_policy(run: Run, step: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Held-out metrics (``eval/*``) of the run's current policy and the per-prompt results
+    behind them; see :func:`evaluate_details`."""
+    return evaluate_details(run.engine, run.task, run.cfg, step)
 
 
 def evaluate_model(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> dict[str, float]:
-    """Held-out metrics (``eval/*``) of the model ``engine`` samples, on the task's test split,
-    per ``cfg.eval`` (and ``eval/train_accuracy`` on the first ``eval.train_prompts`` training
-    prompts).
+    """Held-out metrics (``eval/*``) of the model ``engine`` samples; see :func:`evaluate_details`."""
+    return evaluate_details(engine, task, cfg, step)[0]
 
-    Sampling (when ``eval.temperature > 0``) is seeded by ``(seed, step)`` and each sample's
-    prompt and index, so evaluating never touches the training run's random stream.
+
+def evaluate_details(
+    engine: Engine, task: Task, cfg: TrainConfig, step: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Held-out metrics of the model ``engine`` samples, on the task's test split, per
+    ``cfg.eval`` (and ``eval/train_accuracy`` on the first ``eval.train_prompts`` training
+    prompts), with the per-prompt correct counts behind them.
+
+    Metrics: ``eval/accuracy`` (avg@k), ``eval/reward``, ``eval/length``,
+    ``eval/truncated_frac``; with k > 1 ``eval/pass@k`` (unbiased) and ``eval/maj@k``;
+    ``eval/by_difficulty/<d>`` (avg@k per ``meta["difficulty"]``). Details:
+    ``{"test": {"k": k, "correct": {record id: count}}, "train": ...}`` (what
+    ``RUN_DIR/evals.jsonl`` holds). Sampling (when ``eval.temperature > 0``) is seeded by
+    ``(seed, step)`` and each sample's prompt and index, so evaluating never touches the
+    training run's random stream.
     """
     ec, rc = cfg.eval, cfg.rollout
     params = SamplingParams(
@@ -250,11 +263,15 @@ def evaluate_model(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> d
     }
     if ec.k > 1:
         metrics[f"eval/pass@{ec.k}"] = result[f"pass@{ec.k}"]
+        metrics[f"eval/maj@{ec.k}"] = result[f"maj@{ec.k}"]
+    metrics |= {f"eval/by_difficulty/{d}": v for d, v in result["by_difficulty"].items()}
+    details = {"test": {"k": ec.k, "correct": result["per_prompt"]}}
     if ec.train_prompts:
         limit = min(ec.train_prompts, cfg.train_prompts or ec.train_prompts)
         train = evaluate(engine, task, "train", k=ec.k, params=params, limit=limit, seed=seed)
         metrics["eval/train_accuracy"] = train[f"avg@{ec.k}"]
-    return metrics
+        details["train"] = {"k": ec.k, "correct": train["per_prompt"]}
+    return metrics, details
 
 
 def counters(run: Run) -> dict[str, float]:

@@ -284,24 +284,32 @@ def test_kill_minus_nine_then_rerun_finishes_without_redoing(tmp_path):
 
 def test_a_second_process_on_the_same_key_waits_and_samples_nothing(tmp_path):
     db, log1, log2 = tmp_path / "two.db", tmp_path / "first.log", tmp_path / "second.log"
+    gate = tmp_path / "go"  # the first job's first call holds until the second one waits
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [str(db), "16", "2", "2", "0.8"]  # 16 prompts, M = 2, 2 per call, 0.8 s per call
+    args = ["16", "2", "2", "0.05"]  # 16 prompts, M = 2, 2 per call, 0.05 s per call
     first = subprocess.Popen(
-        [sys.executable, str(WORKER), str(db), str(log1), *args[1:]], env=env,
+        [sys.executable, str(WORKER), str(db), str(log1), *args, str(gate)], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (log1.exists() and log1.read_text()):  # the first one holds the key
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
         time.sleep(0.02)
-    second = subprocess.run(
-        [sys.executable, str(WORKER), str(db), str(log2), *args[1:]], env=env,
-        capture_output=True, text=True, timeout=120,
+    second = subprocess.Popen(
+        [sys.executable, str(WORKER), str(db), str(log2), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    said = ""
+    while "waiting for it" not in said:  # the second one reports the holder and waits
+        line = second.stderr.readline()
+        assert line, f"the second job ended without waiting: {said}"
+        said += line
+    gate.touch()
+    second_out, second_err = second.communicate(timeout=120)
+    second_err = said + second_err
     out, err = first.communicate(timeout=120)
-    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
-    assert f"process {first.pid} is presampling key" in second.stderr
-    assert "waiting for it" in second.stderr
-    assert "rollouts=0 reused=16" in second.stdout  # it sampled nothing: all was there
+    assert first.returncode == 0 and second.returncode == 0, err + second_err
+    assert f"process {first.pid} is presampling key" in second_err
+    assert "rollouts=0 reused=16" in second_out  # it sampled nothing: all was there
     assert not log2.exists() or log2.read_text() == ""
     assert "rollouts=32" in out

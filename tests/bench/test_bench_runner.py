@@ -8,7 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
-from anchor_rl.bench.summary import markdown_table, run_figures, summarise
+from anchor_rl.bench.summary import (
+    first_sustained,
+    markdown_table,
+    run_figures,
+    summarise,
+    time_to_accuracy,
+)
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
 
@@ -110,6 +116,18 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     assert figures["eval_final"]["n"] == 1 and figures["eval_final"]["half_width"] is None
     table = result["summary_md"].read_text()
     assert "| grpo+short | 1 |" in table and "| rloo+short | 1 |" in table
+    # paired over the held-out prompts both evaluated, against the first label
+    paired = summary["paired"]
+    assert paired["baseline"] == "grpo+short" and set(paired["gain"]) == {
+        "grpo+short",
+        "rloo+short",
+    }
+    gain = paired["gain"]["grpo+short"]
+    assert gain["prompts"] == 2  # eval.prompts of the micro suite
+    assert gain["mean"] == pytest.approx(figures["eval_gain"]["mean"])  # one seed: the same gain
+    assert (
+        set(paired["vs_baseline"]) == {"rloo+short"} and "## Paired over held-out prompts" in table
+    )
     assert sorted(p.name for p in result["plots"]) == [
         "accuracy_vs_rollouts.png", "accuracy_vs_steps.png", "accuracy_vs_time.png",
     ]  # fmt: skip
@@ -156,6 +174,20 @@ def test_run_figures_by_hand() -> None:
     assert f["reward_last"] == 0.8  # last fifth of 5 steps: step 5 only
     assert (f["rollouts"], f["tokens"], f["wall_s"]) == (20.0, 50.0, 6.0)
     assert f["generate_s"] == 3.0 and f["score_s"] == pytest.approx(0.1)
+
+
+def test_a_target_counts_only_where_the_curve_stays_at_or_above_it() -> None:
+    assert first_sustained([0.1, 0.6, 0.4, 0.55, 0.7], 0.5) == 3  # the hit at 1 was noise
+    assert first_sustained([0.1, 0.6, 0.4], 0.5) is None
+    assert first_sustained([0.5, 0.5], 0.5) == 0
+    records = [
+        {"eval/accuracy": acc, "time/elapsed": float(t), "rollouts/cumulative": 10.0 * t}
+        for t, acc in enumerate([0.1, 0.6, 0.4, 0.55, 0.7])
+    ]
+    records.insert(2, {"time/elapsed": 1.5, "rollouts/cumulative": 15.0})  # no evaluation
+    hit = time_to_accuracy(records, 0.5)
+    assert hit == {"target_reached": 1.0, "target_wall_s": 3.0, "target_rollouts": 30.0}
+    assert time_to_accuracy(records[:4], 0.5) == {"target_reached": 0.0}
 
 
 def test_summarise_and_markdown_by_hand() -> None:

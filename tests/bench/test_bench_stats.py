@@ -1,14 +1,18 @@
-"""The 95% t-interval and the t quantile on hand-worked numbers."""
+"""The 95% t-interval and the t quantile on hand-worked numbers; the paired bootstrap and the
+paired comparisons over prompts."""
 
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from anchor_rl.bench.stats import Interval, t_cdf, t_interval, t_quantile
+from anchor_rl.bench.stats import Interval, paired_bootstrap, t_cdf, t_interval, t_quantile
+from anchor_rl.bench.summary import paired, prompt_accuracy
 
 
 @pytest.mark.parametrize(
@@ -74,3 +78,36 @@ def test_interval_contains_the_mean_and_is_nonnegative(values: list[float]) -> N
     iv = t_interval(values)
     assert iv.half_width is not None and iv.half_width >= 0
     assert iv.low <= iv.mean <= iv.high
+
+
+def test_paired_bootstrap_brackets_the_mean_and_narrows_with_more_prompts() -> None:
+    rng = random.Random(0)
+    small = [rng.gauss(0.05, 0.3) for _ in range(100)]
+    large = [rng.gauss(0.05, 0.3) for _ in range(2000)]
+    a, b = paired_bootstrap(small), paired_bootstrap(large)
+    assert a.low < a.mean < a.high and b.low < b.mean < b.high
+    assert a.mean == pytest.approx(sum(small) / 100)
+    # the percentile interval is close to the normal one: 1.96 * sd / sqrt(n)
+    sd = statistics.stdev(large)
+    assert (b.high - b.low) / 2 == pytest.approx(1.96 * sd / math.sqrt(2000), rel=0.1)
+    assert (b.high - b.low) < (a.high - a.low) / 3
+    assert paired_bootstrap([0.5] * 10).fmt() == "+0.500 [+0.500, +0.500]"
+    assert paired_bootstrap(small, seed=1) != a  # seeded: another seed, other resamples
+    with pytest.raises(ValueError, match="at least one"):
+        paired_bootstrap([])
+
+
+def test_paired_comparisons_by_hand() -> None:
+    evals = [
+        {"step": 0, "test": {"k": 2, "correct": {"a": 0, "b": 1, "c": 2}}},
+        {"step": 5, "test": {"k": 2, "correct": {"a": 2, "b": 1, "c": 2}}},
+    ]
+    start, final = prompt_accuracy(evals)
+    assert start == {"a": 0.0, "b": 0.5, "c": 1.0} and final == {"a": 1.0, "b": 0.5, "c": 1.0}
+    assert prompt_accuracy(evals[:1]) is None  # no evaluation after the reference's
+    other = ({"a": 0.0, "b": 0.5, "c": 1.0}, {"a": 0.0, "b": 0.0, "c": 1.0})
+    out = paired({"pvpo": [(start, final)], "grpo": [other, other]}, "grpo")
+    assert out["gain"]["pvpo"]["mean"] == pytest.approx(1 / 3)  # (1 + 0 + 0) / 3
+    assert out["gain"]["grpo"]["mean"] == pytest.approx(-0.5 / 3)
+    assert out["vs_baseline"]["pvpo"]["mean"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert "grpo" not in out["vs_baseline"] and out["gain"]["pvpo"]["prompts"] == 3

@@ -143,8 +143,8 @@ def test_claims_measured_by_hand(bench) -> None:
     )
     assert "suite `synthetic`" in dapo and "2 seed(s)" in dapo
     (speed,) = measure_claim(by[("steps_to_match", "pvpo+n2", "grpo+n8")], results)
-    assert speed.startswith(  # on the training-prompt accuracy the synthetic runs log
-        "training-prompt accuracy: target 0.700 reached at step 2 of 4 (0.50×)"
+    assert speed.startswith(  # held-out, the primary metric
+        "held-out accuracy: target 0.600 reached at step 2 of 4 and held to the end (0.50×)"
     )
     assert measure_claim(by[("final_gain", "v05+k4", "grpo+k16")], results) == []
     (mse,) = measure_claim(by[("mse", "v05_k4", "group_mean_k4")], results)

@@ -172,7 +172,8 @@ def test_figures_and_ratios_by_hand() -> None:
 
 @pytest.mark.slow
 def test_one_step_of_both_trainers(tmp_path) -> None:
-    trl = pytest.importorskip("trl", reason="TRL is in the `compare` extra, not installed here")
+    import trl
+
     from anchor_rl.bench.trl_compare import run_trl_suite
 
     result = run_trl_suite(BenchArgs(tmp_path, seeds=[0], profile="quick", echo=lambda _: None))

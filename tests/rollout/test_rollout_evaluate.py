@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.evaluate import (
     accuracy_metrics,
+    by_difficulty,
     evaluate,
+    majority_correct,
     pass_at_k,
     pass_ks,
     trace_budget,
@@ -101,6 +103,30 @@ def test_evaluate_on_scripted_policy(tokenizer, scripted):
     )
     assert out["mean_tool_calls"] == 0 and out["truncated"] == 0
     assert out["mean_reward"] == pytest.approx(2 / 3)
+    assert out["maj@2"] == pytest.approx(2 / 3)  # both samples agree on every prompt
+    assert out["by_difficulty"] == {}  # no record has a difficulty
+
+
+@pytest.mark.parametrize(
+    ("answers", "correct", "expected"),
+    [
+        (["7", "7", "8"], [True, True, False], True),
+        (["8", "7", "7"], [False, True, True], True),  # the majority, not the first
+        (["8", "8", "7"], [False, False, True], False),  # pass@3 would count it
+        (["8", "7"], [False, True], False),  # a tie goes to the answer seen first
+        ([" 7", "7 ", None], [True, True, False], True),  # stripped; no answer, no vote
+        ([None, None], [False, False], False),
+    ],
+)
+def test_majority_vote_by_hand(answers, correct, expected) -> None:
+    texts = ["no answer" if a is None else f"<answer>{a}</answer>" for a in answers]
+    assert majority_correct(texts, correct) is expected
+
+
+def test_accuracy_by_difficulty_by_hand() -> None:
+    records = [Record(f"r{i}", "q", "a", {"difficulty": d}) for i, d in enumerate([2, 1, 2])]
+    records.append(Record("r3", "q", "a"))  # no difficulty: left out
+    assert by_difficulty(records, [4, 1, 2, 0], 4) == {"1": 0.25, "2": 0.75}
 
 
 def test_evaluate_is_seeded_per_sample_whatever_the_chunking(tokenizer, tiny_model):

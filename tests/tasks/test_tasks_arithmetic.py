@@ -7,6 +7,7 @@ from anchor_rl.tasks.arithmetic import (
     MAX_INT_DIGITS,
     ArithmeticTask,
     difficulty,
+    exhausted_levels,
     make_expression,
     parse_int,
 )
@@ -47,7 +48,7 @@ def test_traces_are_correct_for_every_record(task):
 def test_levels_mix_and_difficulty(task):
     records = task.records("train")
     levels = {(r.meta["operands"], r.meta["digits"]) for r in records}
-    assert levels == {(n, d) for n in (2, 3, 4) for d in (1, 2)}  # the calibrated default
+    assert levels == {(3, 1), (4, 1), (5, 1)}  # the calibrated default
     every = [(n, d) for n in (2, 3, 4, 5) for d in (1, 2, 3)]
     harder = ArithmeticTask(n_train=600, n_test=100, seed=3, levels=every).records("train")
     assert {(r.meta["operands"], r.meta["digits"]) for r in harder} == set(every)
@@ -137,3 +138,25 @@ def test_rejects_bad_levels_and_impossible_counts():
         ArithmeticTask(n_train=5000, n_test=0, levels=[(2, 1)])
     with pytest.raises(ValueError, match="weights"):
         ArithmeticTask(levels=[(2, 1)], weights=[1, 2])
+
+
+def test_an_exhausted_level_is_reported_and_the_others_fill_the_split(caplog) -> None:
+    with caplog.at_level("WARNING", logger="anchor_rl.tasks.arithmetic"):
+        task = ArithmeticTask(n_train=2000, n_test=100, levels=[(2, 1), (3, 2)], weights=[1, 1])
+    counts = task.level_counts
+    assert sum(counts.values()) == 2100 and counts[(2, 1)] < 500 < counts[(3, 2)]
+    prompts = {r.prompt for r in task.records("train") + task.records("test")}
+    assert len(prompts) == 2100  # still distinct
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"arithmetic level (2, 1) gave {counts[(2, 1)]} distinct prompts")
+    assert "not the 1050 its weight asks for" in message
+    assert exhausted_levels([(2, 1), (3, 2)], [1, 1], {(2, 1): 1000, (3, 2): 1100}) == []
+
+
+def test_the_default_testbed_says_its_short_level_quietly(caplog) -> None:
+    with caplog.at_level("INFO", logger="anchor_rl.tasks.arithmetic"):
+        task = ArithmeticTask()  # 31,000 prompts: three one-digit operands run out near 3,700
+    assert len(task.records("train")) == 30_000 and len(task.records("test")) == 1_000
+    (record,) = caplog.records
+    assert record.levelname == "INFO" and "level (3, 1) gave" in record.getMessage()
+    assert task.level_counts[(3, 1)] < 4_000 < task.level_counts[(4, 1)]

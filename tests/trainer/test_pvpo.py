@@ -13,6 +13,8 @@ from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.cli import app
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.loading import save_policy
 from anchor_rl.models.spec import load_spec
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.tasks.base import Record
@@ -23,7 +25,12 @@ from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train, train_step
-from anchor_rl.trainer.pvpo import batch_anchors, inject_teachers, reference_key
+from anchor_rl.trainer.pvpo import (
+    batch_anchors,
+    inject_teachers,
+    presample_cost_note,
+    reference_key,
+)
 from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs
 
@@ -264,6 +271,45 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
 
     assert values(straight) == values(resumed)
     assert pvpo.anchor_key == straight.components["pvpo"].anchor_key
+
+
+def test_each_seed_draws_its_own_anchors_unless_presample_seed_is_set(
+    parity, tiny, tmp_path, monkeypatch
+) -> None:
+    store, seeds = tmp_path / "shared.db", []
+    real_call = RolloutSampler.__call__
+
+    def recording(self, records, n, first, seed):
+        seeds.append(seed[0])  # (anchor seed, stream)
+        return real_call(self, records, n, first, seed)
+
+    monkeypatch.setattr(RolloutSampler, "__call__", recording)
+    reference = tmp_path / "reference"  # one reference for every seed (random:tiny is seeded)
+    tokenizer = build_tokenizer()
+    save_policy(build_model("tiny", tokenizer, seed=0), tokenizer, reference)
+
+    def set_up(name: str, *extra: str):
+        seeds.clear()
+        overrides = [*tiny, f"model={reference}", "pvpo.m=2", f"pvpo.store={store}", *extra]
+        cfg = load_config("pvpo", overrides)
+        return start_run(cfg, tmp_path / name).components["pvpo"], list(seeds)
+
+    zero, drawn_zero = set_up("zero", "seed=0")
+    one, drawn_one = set_up("one", "seed=1")
+    shared, drawn_shared = set_up("shared", "seed=1", "pvpo.presample_seed=0")
+    assert drawn_zero and set(drawn_zero) == {0} and drawn_one and set(drawn_one) == {1}
+    assert one.anchor_key != zero.anchor_key  # two draws, two keys: never mixed
+    assert drawn_shared == [] and shared.anchor_key == zero.anchor_key  # one draw, reused
+
+
+def test_a_presampling_dearer_than_the_run_is_announced() -> None:
+    assert presample_cost_note(800, 8, 6400) is None  # 6,400 = the run's own rollouts
+    note = presample_cost_note(30_000, 8, 6400)
+    assert note is not None and note.startswith(
+        "PVPO presamples 30,000 training prompts x M=8 = 240,000 reference rollouts, 37.5x "
+        "the 6,400 policy rollouts"
+    )
+    assert "train_prompts=K" in note
 
 
 def test_pvpo_config_errors_name_the_field() -> None:

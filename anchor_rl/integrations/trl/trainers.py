@@ -1,0 +1,855 @@
+"""TRL ``GRPOTrainer`` subclasses whose advantages come from anchor-rl's methods.
+
+Shapes: N completions in a generation batch over all processes (``n`` on this process),
+G = N / k groups of ``k = num_generations`` completions of one prompt (TRL's
+``RepeatSampler`` puts a group's rows next to each other), T completion tokens.
+
+Where each piece enters TRL's step (``_prepare_inputs`` generates once per
+``steps_per_generation * num_iterations`` micro-steps and buffers the batch):
+
+    _generate_and_score_completions   (ours, around super())
+        before       PVPO: presample the reference on prompts seen for the first time
+        super()      TRL: generate (our ``_generate`` below), rewards (our
+                     ``_calculate_rewards`` keeps them), old/ref log-probs, its own advantages
+        after        the method's advantages replace TRL's, from the same rewards:
+                     PVPO ``algos.advantages.pvpo(r, V_sta)``, V0.5 ``algos.advantages.v05(r, b)``
+                     with ``b`` the prior fused with the group (``trainer.v05.fuse_groups``);
+                     the completions table's logged advantages are replaced too; teacher
+                     rows get their behaviour log-probs (below)
+    _generate        (PVPO, training) super() samples; then the last completion of a group
+                     whose prompt has a teacher trajectory is replaced by it (its tokens,
+                     its text for the reward functions, its log-probs when the backend
+                     returns sampling log-probs), before any reward is computed
+    _compute_loss    the teacher rows' ratio is pi_theta / pi_gt in every setting:
+                     - TRL computed old log-probs (num_iterations > 1 with misaligned
+                       accumulation, or vLLM's importance-sampling correction): the teacher
+                       rows' old log-probs are overwritten with log pi_gt, and vLLM's
+                       importance-sampling factor is 1 on them (the correction is for the
+                       policy's own sampler, not the teacher's);
+                     - TRL keeps none (it then uses the loss pass's own log-probs,
+                       detached): the batch carries log pi_gt and a teacher-row mask, and the
+                       first log-prob pass of ``_compute_loss`` sets ``old_per_token_logps``
+                       to its own detached log-probs on policy rows and log pi_gt on teacher
+                       rows, before TRL reads it; it is removed after the loss.
+
+Evaluation (``eval_dataset``) is TRL's own: its completions get TRL's group advantages and
+no teacher rows.
+
+Every hook overridden here is private TRL API; ``anchor_rl.integrations.trl.version``
+pins the TRL releases they are tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import datasets
+import torch
+from accelerate.utils import gather_object
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+
+from anchor_rl.algos.registry import compute_advantage
+from anchor_rl.anchors.filter import FilterResult
+from anchor_rl.anchors.keys import task_identity
+from anchor_rl.anchors.presample import presample as presample_prompts
+from anchor_rl.anchors.presample import task_params
+from anchor_rl.anchors.priors import prompt_embeddings
+from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
+from anchor_rl.bench.trl_compare import stop_token_ids
+from anchor_rl.errors import AnchorRLError, ConfigError
+from anchor_rl.integrations.trl.data import (
+    ID_COLUMN,
+    resolve_task,
+    task_dataset,
+    task_reward_function,
+)
+from anchor_rl.models.spec import frozen, load_spec
+from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.tasks.base import Record, Task
+from anchor_rl.trainer.pvpo import (
+    FILTER_FILE,
+    PRESAMPLE_SEED,
+    AnchorSet,
+    group_sampling,
+    presample_set,
+    pvpo_teacher,
+    store_path,
+)
+from anchor_rl.trainer.pvpo_config import PVPOConfig
+from anchor_rl.trainer.v05 import (
+    build_prior,
+    check_rewards,
+    extra_counts,
+    fuse_groups,
+    fusion_metrics,
+    uses_anchors,
+    uses_embeddings,
+)
+from anchor_rl.trainer.v05_config import V05Config
+
+__all__ = [
+    "AnchoredGRPOTrainer",
+    "PVPOGRPOTrainer",
+    "UnsupportedFeatureError",
+    "V05GRPOTrainer",
+]
+
+STATE_FILE = "anchor_rl_trl.pt"
+"""The plug-in's state in each TRL checkpoint (rollout counts; V0.5's prior)."""
+BEHAVIOUR_KEY = "anchor_rl_behaviour_logps"
+"""Batch key of the teacher rows' log pi_gt ``[n, T]`` when TRL keeps no old log-probs."""
+TEACHER_KEY = "anchor_rl_teacher_rows"
+"""Batch key of the teacher-row mask ``[n]`` (bool) that goes with :data:`BEHAVIOUR_KEY`."""
+SAMPLING_KWARGS = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "do_sample",
+     "num_beams", "suppress_tokens", "bad_words_ids", "presence_penalty", "frequency_penalty"}
+)  # fmt: skip
+"""``generation_kwargs`` keys that change the sampling distribution away from the anchors'."""
+
+Section = TypeVar("Section", bound=BaseModel)
+
+
+class UnsupportedFeatureError(AnchorRLError, NotImplementedError):
+    """A method's feature the TRL plug-in does not offer; the message says why and what to use."""
+
+
+def section(cls: type[Section], value: Section | Mapping[str, Any] | None, name: str) -> Section:
+    """``value`` as the config section ``cls`` (a section, a mapping of its fields, or None for
+    its defaults); ConfigError naming ``name.FIELD`` for a bad value."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}: a {cls.__name__} or a mapping, got {type(value).__name__}")
+    try:
+        return cls(**value)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join([name, *map(str, err["loc"])])
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: unknown key" if err["type"] == "extra_forbidden" else
+                         f"{where}: {msg} (got {err['input']!r})")  # fmt: skip
+        raise ConfigError("; ".join(lines)) from None
+
+
+def _non_default(cfg: BaseModel, fields: Sequence[str]) -> list[str]:
+    """The ``fields`` of ``cfg`` whose value differs from the section's default."""
+    default = type(cfg)()
+    return [f for f in fields if getattr(cfg, f) != getattr(default, f)]
+
+
+def _fresh_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen copy of ``model``'s weights in a new instance of its class (not a deepcopy:
+    TRL patches the policy's ``forward`` with a closure over the original model)."""
+    clone = type(model)(model.config).to(dtype=model.dtype)
+    clone.load_state_dict(model.state_dict())
+    return frozen(clone.to(model.device))
+
+
+class AnchoredGRPOTrainer(GRPOTrainer):
+    """A ``GRPOTrainer`` on an anchor-rl task whose advantages a method computes.
+
+    Subclasses implement :meth:`_advantages` (and may use :meth:`_before_batch`). Takes
+    ``GRPOTrainer``'s arguments, except ``reward_funcs`` (the task's reward is the reward:
+    anchors and priors are in its units; fold TRL-style reward functions into the task
+    with ``anchor_rl.tasks.reward_set.with_rewards``), plus:
+
+    task: a registered task name or an anchor-rl ``Task`` (single-turn); ``task_args`` its
+        constructor arguments (part of the anchors' key).
+    records: the records the dataset's ``prompt_id`` column names (default: the task's
+        train split).
+    train_dataset: rows ``{"prompt", "prompt_id"}`` (:func:`~.data.task_dataset`); default:
+        every record, built with ``processing_class``. Each prompt must tokenise to the ids
+        anchor-rl renders for its record (checked).
+    reference_model: the reference the anchors are presampled with; default TRL's
+        reference model (``beta > 0``, no ``sync_ref_model``), else the initial policy.
+    progress: progress bars and the presampling summary on the console.
+
+    The task's stop strings (``</answer>``) end TRL's completions, as they end anchor-rl's:
+    their token ids are added to the eos ids (with vLLM, pass them as
+    ``generation_kwargs={"stop_token_ids": [...]}``).
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        *,
+        task: Task | str,
+        task_args: Mapping[str, Any] | None = None,
+        records: Sequence[Record] | None = None,
+        reference_model: PreTrainedModel | None = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if reward_funcs is not None:
+            raise ConfigError(
+                "reward_funcs: the trainer's reward is the task's (its anchors and priors are in "
+                "its units); fold reward functions into the task with "
+                "anchor_rl.tasks.reward_set.with_rewards(task, functions, weights, task_weight)"
+            )
+        taken = [k for k in ("tools", "rollout_func", "environment_factory") if kwargs.get(k)]
+        if taken:
+            raise ConfigError(
+                f"{', '.join(taken)}: the TRL plug-in covers single-turn generation by the trainer "
+                "(teacher rows and anchors are per completion of a prompt); drop them"
+            )
+        name, task_obj, kwargs_of_task = resolve_task(task, task_args)
+        listed = list(task_obj.records("train") if records is None else records)
+        by_id = {r.id: r for r in listed}
+        if train_dataset is None:
+            if processing_class is None:
+                raise ConfigError(
+                    "processing_class: needed to build the dataset of the task's prompts (or pass "
+                    "train_dataset=task_dataset(task, tokenizer))"
+                )
+            train_dataset = task_dataset(task_obj, processing_class, listed)
+        super().__init__(
+            model, task_reward_function(task_obj, by_id), args, train_dataset, eval_dataset,
+            processing_class, **kwargs,
+        )  # fmt: skip
+        self.task, self.task_name, self.task_args = task_obj, name, kwargs_of_task
+        self.records_by_id = by_id
+        self.progress = progress
+        self._explicit_reference = reference_model
+        self._check_settings()
+        self._add_stops(stop_token_ids(self._tokenizer, task_obj.stop))
+        self.dataset_ids = self._check_dataset(self.train_dataset)
+        self.sampling = task_params(
+            SamplingParams(
+                temperature=self.args.temperature,
+                top_p=self.args.top_p,
+                max_new_tokens=self.args.max_completion_length,
+            ),
+            task_obj,
+        )
+        self.task_id = task_identity(name, task_obj, kwargs_of_task)
+        self.counts = {"policy": 0, "presample": 0, "presample_now": 0, "teacher": 0}
+        self.trajectories: dict[str, TeacherTrajectory] = {}
+        # per generation batch (this process): its prompt ids, the rewards TRL computed, the
+        # rows a teacher trajectory replaced; during one loss call: the batch to complete
+        self._local_ids: list[str] | None = None
+        self._rewards_per_func: Tensor | None = None
+        self._teacher_rows: dict[int, TeacherTrajectory] = {}
+        self._behaviour_pending: dict[str, Any] | None = None
+
+    # --- set-up checks ------------------------------------------------------------------
+
+    def _check_settings(self) -> None:
+        """ConfigError naming every GRPOConfig field that cannot work with the plug-in."""
+        a, problems = self.args, []
+        if a.remove_unused_columns:
+            problems.append(
+                "remove_unused_columns=True drops the prompt_id column the methods look prompts "
+                "up by; set remove_unused_columns=False"
+            )
+        if a.top_k not in (0, -1, None):
+            problems.append(f"top_k={a.top_k}: anchors are sampled without top-k; set top_k=0")
+        if a.min_p is not None:
+            problems.append(f"min_p={a.min_p}: anchors are sampled without min-p; set min_p=None")
+        if a.repetition_penalty != 1.0:
+            problems.append(
+                f"repetition_penalty={a.repetition_penalty}: anchors are sampled without it; set 1.0"
+            )
+        kw = a.generation_kwargs or {}
+        if bad := sorted(SAMPLING_KWARGS & set(kw)):
+            problems.append(
+                f"generation_kwargs {bad} change the sampling distribution away from the anchors'; "
+                "use GRPOConfig's temperature and top_p"
+            )
+        if self._is_vlm:
+            problems.append("processing_class: a multimodal processor; the plug-in is text-only")
+        if a.use_vllm:
+            stops = stop_token_ids(self._tokenizer, self.task.stop)
+            given = set(kw.get("stop_token_ids") or [])
+            if not set(stops) <= given:
+                problems.append(
+                    f"use_vllm=True: the task's stops {self.task.stop} must end vLLM's completions "
+                    f'as they end the anchors\'; set generation_kwargs={{"stop_token_ids": {stops}}}'
+                )
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _add_stops(self, stops: Sequence[int]) -> None:
+        """End completions at the task's stop tokens (TRL stops on eos ids only)."""
+        self.eos_token_ids = [
+            *self.eos_token_ids,
+            *(s for s in stops if s not in self.eos_token_ids),
+        ]
+        if not self.use_vllm:
+            self.generation_config.eos_token_id = list(self.eos_token_ids)
+            self.generation_kwargs["eos_token_id"] = list(self.eos_token_ids)
+
+    def _check_dataset(self, dataset: Any) -> list[str]:
+        """The ``prompt_id`` of every row; ConfigError naming the first row that is not one of
+        ``records`` or whose prompt tokenises to other ids than anchor-rl renders for it."""
+        if not isinstance(dataset, datasets.Dataset):
+            raise ConfigError(
+                "train_dataset: a datasets.Dataset (map-style: its rows are checked, and filtered "
+                f"by group sampling, before training), got {type(dataset).__name__}"
+            )
+        missing = sorted({"prompt", ID_COLUMN} - set(dataset.column_names))
+        if missing:
+            raise ConfigError(
+                f"train_dataset lacks the column(s) {missing}; build it with "
+                "anchor_rl.integrations.trl.task_dataset(task, tokenizer)"
+            )
+        ids = [str(i) for i in dataset[ID_COLUMN]]
+        unknown = [(row, i) for row, i in enumerate(ids) if i not in self.records_by_id]
+        if unknown:
+            row, pid = unknown[0]
+            raise ConfigError(
+                f"train_dataset row {row}: prompt_id {pid!r} is not a record of task "
+                f"{self.task.name!r} ({len(unknown)} such rows); pass records= the dataset's records"
+            )
+        prompts, wanted = dataset["prompt"], {}
+        for start in range(0, len(prompts), 256):
+            got, _, _ = self._tokenize_prompts(prompts[start : start + 256])
+            for row, ids_of_row in enumerate(got, start):
+                pid = ids[row]
+                if pid not in wanted:
+                    record = self.records_by_id[pid]
+                    wanted[pid] = encode_prompt(
+                        self._tokenizer, record.prompt, self.task.instruction
+                    )
+                if list(ids_of_row) != wanted[pid]:
+                    raise ConfigError(
+                        f"train_dataset row {row} (prompt_id {pid!r}): its prompt tokenises to other "
+                        "ids than anchor-rl renders for the record, so the anchors would be another "
+                        "prompt's; build the dataset with anchor_rl.integrations.trl.task_dataset"
+                    )
+        return ids
+
+    def _reference(self, at_start: bool) -> PreTrainedModel:
+        """The model the anchors are presampled with: ``reference_model``, else TRL's reference
+        (when it does not move), else the initial policy (itself at start, a frozen copy of it
+        for later presampling)."""
+        if self._explicit_reference is not None:
+            return self._explicit_reference
+        if self.ref_model is not None and not self.args.sync_ref_model:
+            return self.accelerator.unwrap_model(self.ref_model)
+        policy = self.accelerator.unwrap_model(self.model)
+        if at_start:
+            return policy
+        if hasattr(policy, "peft_config"):
+            raise ConfigError(
+                "presample='first_use' with a PEFT model and no fixed reference: pass "
+                "reference_model=, or presample='start'"
+            )
+        return _fresh_copy(policy)
+
+    def _presample_start(
+        self, reference: PreTrainedModel, records: Sequence[Record], pvpo: PVPOConfig
+    ) -> AnchorSet:
+        """Presample ``records`` (rows of the store under the key are reused) and count them."""
+        anchor_set = presample_set(
+            reference, self._tokenizer, self.task, self.task_id, self.sampling, records,
+            AnchorStore(store_path(pvpo)), pvpo, progress=self.progress and bool(records),
+        )  # fmt: skip
+        self.counts["presample"] = anchor_set.rollouts
+        self.counts["presample_now"] = anchor_set.result.rollouts
+        return anchor_set
+
+    def _unique_records(self) -> list[Record]:
+        """The dataset's records, each once, in order of first appearance."""
+        return [self.records_by_id[i] for i in dict.fromkeys(self.dataset_ids)]
+
+    # --- what a method supplies ---------------------------------------------------------
+
+    def _before_batch(self, ids: Sequence[str]) -> dict[str, float]:
+        """Work before a training generation batch of this process's prompt ``ids``; metrics."""
+        return {}
+
+    def _advantages(
+        self, rewards: Tensor, ids: Sequence[str], k: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``(advantages[N], metrics)`` of the whole generation batch: ``rewards[N]`` (float32 on
+        the CPU, NaN where no reward function scored the row), ``ids[N]`` the prompt id of each
+        row, groups of ``k`` consecutive rows."""
+        raise NotImplementedError
+
+    def _plugin_state(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts)}
+
+    def _load_plugin_state(self, state: Mapping[str, Any]) -> None:
+        self.counts.update({k: int(v) for k, v in state["counts"].items()})
+
+    def rollout_counts(self) -> dict[str, int]:
+        """Rollouts this trainer rests on: ``policy`` (completions generated in training,
+        those a teacher row replaced included), ``presample`` (reference rollouts the anchors
+        in use rest on, rows found in the store included), ``presample_now`` (those this
+        process sampled), ``teacher`` (teacher samples the trajectories rest on) and ``total``
+        (policy + presample + teacher)."""
+        counts = dict(self.counts)
+        counts["total"] = counts["policy"] + counts["presample"] + counts["teacher"]
+        return counts
+
+    # --- TRL's hooks ----------------------------------------------------------------------
+
+    def _calculate_rewards(
+        self,
+        inputs: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids_list: list[list[int]],
+    ) -> Tensor:
+        """TRL's rewards ``[N, F]`` (N rows of all processes, F reward functions), kept for the
+        method's advantages."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards
+        return rewards
+
+    def _generate(self, prompts: list[Any]) -> tuple[Any, ...]:
+        """TRL's generation; then, in training, the last completion of each group whose prompt
+        has a teacher trajectory becomes that trajectory (before any reward is computed)."""
+        result = super()._generate(prompts)
+        ids = self._local_ids
+        if not self.model.training or not self.trajectories or ids is None:
+            return result
+        if len(ids) != len(prompts):
+            raise RuntimeError(f"{len(prompts)} prompts generated for {len(ids)} batch rows")
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest = result
+        k, first = self.num_generations, self.accelerator.process_index * len(prompts)
+        for row, pid in enumerate(ids):
+            traj = self.trajectories.get(pid)
+            if traj is None or (first + row) % k != k - 1:
+                continue
+            tokens = traj.token_ids.tolist()
+            text = self._tokenizer.decode(tokens, skip_special_tokens=True)
+            completion_ids[row] = tokens
+            completions[row] = (
+                text
+                if isinstance(completions[row], str)
+                else [{"role": "assistant", "content": text}]
+            )
+            if logprobs is not None:
+                logprobs[row] = traj.logprobs.tolist()
+            self._teacher_rows[row] = traj
+        return (prompt_ids, completion_ids, tool_mask, completions, logprobs, *rest)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's generation batch with the method's advantages (see the module docstring)."""
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        ids = [str(row[ID_COLUMN]) for row in inputs]
+        self._local_ids, self._teacher_rows, self._rewards_per_func = ids, {}, None
+        metrics = self._before_batch(ids)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._local_ids = None
+        every = [str(i) for i in gather_object(ids)]
+        k = self.num_generations
+        _check_layout(every, k)
+        per_func = self._rewards_per_func
+        if per_func is None or len(per_func) != len(every):
+            raise RuntimeError("TRL computed no rewards for the whole generation batch")
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+        advantages, method_metrics = self._advantages(rewards.detach().float().cpu(), every, k)
+        advantages = torch.nan_to_num(advantages.float(), nan=0.0)
+        first = self.accelerator.process_index * len(ids)
+        local = advantages[first : first + len(ids)]
+        output["advantages"] = local.to(output["advantages"].device, output["advantages"].dtype)
+        logged = self._logs["advantages"]
+        for _ in range(min(len(every), len(logged))):
+            logged.pop()
+        logged.extend(advantages.tolist())
+        scored = advantages[~torch.isnan(rewards.cpu())]
+        metrics |= method_metrics | {
+            "advantages/mean": scored.mean().item() if len(scored) else 0.0,
+            "advantages/std": scored.std().item() if len(scored) > 1 else 0.0,
+        }
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(float(value))
+        self.counts["policy"] += len(every)
+        if self._teacher_rows:
+            self._behaviour(output)
+        return output
+
+    def _behaviour(self, output: dict[str, Any]) -> None:
+        """Put log pi_gt where the teacher rows' old log-probs are read (see the module docstring)."""
+        completion_ids = output["completion_ids"]
+        n, t = completion_ids.shape
+        behaviour = torch.zeros(n, t, device=completion_ids.device)
+        rows = torch.zeros(n, dtype=torch.bool, device=completion_ids.device)
+        for row, traj in self._teacher_rows.items():
+            behaviour[row, : len(traj)] = traj.logprobs.to(behaviour)
+            rows[row] = True
+        old = output.get("old_per_token_logps")
+        if old is not None:
+            output["old_per_token_logps"] = torch.where(rows[:, None], behaviour.to(old), old)
+        else:
+            output[BEHAVIOUR_KEY], output[TEACHER_KEY] = behaviour, rows
+        sampled = output.get("sampling_per_token_logps")
+        if sampled is not None:
+            output["sampling_per_token_logps"] = torch.where(
+                rows[:, None], behaviour.to(sampled), sampled
+            )
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None:
+            output["importance_sampling_ratio"] = torch.where(
+                rows[:, None], torch.ones_like(ratio), ratio
+            )
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+        """TRL's loss; a batch with teacher rows and no old log-probs gets them from the first
+        log-prob pass (:meth:`_get_per_token_logps_and_entropies`)."""
+        if BEHAVIOUR_KEY not in inputs:
+            return super()._compute_loss(model, inputs)
+        self._behaviour_pending = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._behaviour_pending = None
+            inputs.pop("old_per_token_logps", None)  # the batch may be used again (accumulation)
+
+    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        """TRL's log-prob pass; inside :meth:`_compute_loss` of a batch with teacher rows and no
+        old log-probs, its own detached log-probs become the policy rows' old log-probs and log
+        pi_gt the teacher rows' (TRL reads ``old_per_token_logps`` after this pass)."""
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._behaviour_pending = self._behaviour_pending, None
+        if inputs is not None:
+            own = out[0].detach()
+            inputs["old_per_token_logps"] = torch.where(
+                inputs[TEACHER_KEY][:, None], inputs[BEHAVIOUR_KEY].to(own), own
+            )
+        return out
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            path = Path(self._get_output_dir(trial=trial)) / folder / STATE_FILE
+            torch.save(self._plugin_state(), path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and (Path(checkpoint) / STATE_FILE).is_file():
+            self._load_plugin_state(torch.load(Path(checkpoint) / STATE_FILE, weights_only=True))
+
+
+def _check_layout(ids: Sequence[str], k: int) -> None:
+    """RuntimeError unless ``ids`` are groups of ``k`` consecutive rows of one prompt."""
+    if len(ids) % k:
+        raise RuntimeError(f"a generation batch of {len(ids)} rows is not groups of {k}")
+    for g in range(len(ids) // k):
+        if len(set(ids[g * k : (g + 1) * k])) != 1:
+            raise RuntimeError(
+                f"rows {g * k}..{(g + 1) * k - 1} of the generation batch are not one prompt's "
+                f"group ({sorted(set(ids[g * k : (g + 1) * k]))}); the plug-in needs TRL's "
+                "RepeatSampler layout (a map-style dataset)"
+            )
+
+
+class PVPOGRPOTrainer(AnchoredGRPOTrainer):
+    """TRL's GRPO with PVPO: advantages ``r - V_sta(prompt)``, group sampling, teacher rows.
+
+    pvpo: PVPO's knobs (``anchor_rl.trainer.pvpo_config.PVPOConfig`` or a mapping of its
+        fields): ``m`` reference rollouts per prompt, the anchor ``store`` (default
+        ``$ANCHOR_RL_CACHE/anchors.db``, shared with ``anchor-rl presample`` and ``anchor-rl
+        train``), the ``teacher`` and its settings. ``refresh_every`` is not offered.
+    group_sampling: drop the prompts the reference always solves from ``train_dataset``
+        before training, and give the ones it never solves a teacher trajectory (dropping
+        those the teacher cannot solve unless ``pvpo.keep_unsolved``). It needs every
+        prompt's anchor, so every prompt is presampled at start.
+    presample: without group sampling, ``first_use`` presamples a prompt's anchor when it
+        first enters a generation batch (keeping a frozen copy of the initial policy when TRL
+        has no fixed reference model), ``start`` presamples every prompt before training.
+
+    The rest as :class:`AnchoredGRPOTrainer`. After set-up: ``anchor_set`` (what presampling
+    at start did), ``filter_result`` (group sampling's ``FilterResult`` or None; its
+    statistics are also written to ``OUTPUT_DIR/pvpo_filter.json``), ``trajectories``
+    (prompt id -> teacher trajectory).
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        *,
+        task: Task | str,
+        pvpo: PVPOConfig | Mapping[str, Any] | None = None,
+        group_sampling: bool = True,
+        presample: Literal["first_use", "start"] = "first_use",
+        task_args: Mapping[str, Any] | None = None,
+        records: Sequence[Record] | None = None,
+        reference_model: PreTrainedModel | None = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        pc = section(PVPOConfig, pvpo, "pvpo")
+        _check_pvpo(pc, group_sampling, presample)
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, task=task,
+            task_args=task_args, records=records, reference_model=reference_model,
+            progress=progress, **kwargs,
+        )  # fmt: skip
+        if pc.teacher == "oracle:reference" and self.args.top_p < 1:
+            raise ConfigError(
+                "pvpo.teacher='oracle:reference' with top_p < 1: its pi_gt has no nucleus; use "
+                "pvpo.teacher='oracle' or top_p=1"
+            )
+        self.pvpo, self.group_sampling = pc, group_sampling
+        at_start = group_sampling or presample == "start"
+        reference = self._reference(at_start)
+        self.anchor_set = self._presample_start(
+            reference, self._unique_records() if at_start else [], pc
+        )
+        self.anchors: dict[str, AnchorStat] = dict(self.anchor_set.stats)
+        self._late_reference = None if at_start else reference
+        self.filter_result: FilterResult | None = None
+        if group_sampling:
+            self._group_sampling(reference)
+        if progress:
+            kept = len(dict.fromkeys(self.dataset_ids))
+            Console().print(
+                f"PVPO (TRL): {len(self.anchors)} prompts x M={pc.m} presampled "
+                f"({self.anchor_set.result.rollouts} rollouts sampled now) -> {kept} training "
+                f"prompts, {len(self.trajectories)} with a teacher trajectory; store "
+                f"{self.anchor_set.store.path}"
+                + ("" if at_start else "; the others are presampled on first use")
+            )
+
+    def _group_sampling(self, reference: PreTrainedModel) -> None:
+        """Filter ``train_dataset`` to group sampling's prompts; keep the teacher trajectories."""
+        pc = self.pvpo
+
+        def load_model(spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+            model, tokenizer = load_spec(
+                spec, self.task_name, self.task_args, self.args.seed,
+                str(self.accelerator.device), self.progress,
+            )  # fmt: skip
+            return frozen(model), tokenizer
+
+        scorer = reference if pc.teacher == "oracle:reference" else None
+        teacher = pvpo_teacher(pc, self.task, self._tokenizer, scorer, self.sampling, load_model)
+        result = group_sampling(self.anchor_set, teacher, self.task_id, pc, self.progress)
+        keep = {r.id for r in result.records}
+        rows = [row for row, pid in enumerate(self.dataset_ids) if pid in keep]
+        self.train_dataset = self.train_dataset.select(rows)
+        self.dataset_ids = [self.dataset_ids[row] for row in rows]
+        self.filter_result, self.trajectories = result, dict(result.trajectories)
+        failed = result.stats.acc_zero - len(result.trajectories)
+        tries = teacher.tries if teacher is not None else 0
+        self.counts["teacher"] = sum(t.tries for t in result.trajectories.values()) + tries * failed
+        if self.progress:
+            result.print()
+        if self.args.should_save:
+            result.stats.save(Path(self.args.output_dir) / FILTER_FILE)
+
+    def _before_batch(self, ids: Sequence[str]) -> dict[str, float]:
+        """First-use presampling of the batch's new prompts."""
+        if self._late_reference is None:
+            return {}
+        new = [self.records_by_id[i] for i in dict.fromkeys(ids) if i not in self.anchors]
+        sampled = 0
+        if new:
+            pc, anchor_set = self.pvpo, self.anchor_set
+            result = presample_prompts(
+                new, anchor_set.sampler, anchor_set.store, anchor_set.key, pc.m,
+                pc.presample_batch, PRESAMPLE_SEED, self.progress,
+            )  # fmt: skip
+            self.anchors |= anchor_set.store.get_anchors(anchor_set.key, [r.id for r in new])
+            sampled = result.rollouts
+            self.counts["presample_now"] += sampled
+        self.counts["presample"] = sum(stat.n for stat in self.anchors.values())
+        return {"pvpo/presampled_now": float(sampled)}
+
+    def _advantages(
+        self, rewards: Tensor, ids: Sequence[str], k: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``algos.advantages.pvpo``: ``r - V_sta(prompt)`` for every row, ``[N]``."""
+        absent = [i for i in dict.fromkeys(ids) if i not in self.anchors]
+        if absent:  # presampled by another process on first use
+            store, key = self.anchor_set.store, self.anchor_set.key
+            self.anchors |= store.get_anchors(key, absent)
+            self.counts["presample"] = sum(stat.n for stat in self.anchors.values())
+        anchor = anchor_values(self.anchors, ids)
+        advantages = compute_advantage("pvpo", rewards=rewards, anchor=anchor)
+        teacher_rows = sum(
+            1 for row, pid in enumerate(ids) if row % k == k - 1 and pid in self.trajectories
+        )
+        return advantages, {
+            "pvpo/anchor_mean": anchor.mean().item(),
+            "pvpo/teacher_rows": teacher_rows,
+        }
+
+
+def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
+    if presample not in ("first_use", "start"):
+        raise ConfigError(f"presample={presample!r}: choose 'first_use' or 'start'")
+    if pc.refresh_every:
+        raise UnsupportedFeatureError(
+            f"pvpo.refresh_every={pc.refresh_every}: the TRL plug-in does not refresh anchors (not "
+            "an upstream limit: not implemented here); set 0, or train with anchor-rl train "
+            "--preset pvpo pvpo.refresh_every=K"
+        )
+    if _non_default(pc, ["refresh_mode"]):
+        raise ConfigError("pvpo.refresh_mode without refreshes: drop it")
+    teacher = _non_default(pc, ["teacher", "teacher_model", "teacher_tries", "keep_unsolved"])
+    if teacher and not group_sampling:
+        raise ConfigError(
+            f"pvpo.{', pvpo.'.join(teacher)} without group sampling: teachers serve group "
+            "sampling; set group_sampling=True or drop them"
+        )
+
+
+class V05GRPOTrainer(AnchoredGRPOTrainer):
+    """TRL's GRPO with V0.5's baseline: each group's rewards fused with the prompt's prior.
+
+    Per generation batch, for each prompt's group of ``k = num_generations`` rewards: the
+    prior ``V`` (``trainer.v05.build_prior``: the anchor, the history posterior or knn, as
+    ``v05.prior`` says), the real-time test of the prior and the fusion
+    (``trainer.v05.fuse_groups``: positive-part James-Stein, ``algos.v05.fuse``), the
+    advantage ``r - b`` (``algos.advantages.v05``), then the prior learns the group's rewards.
+    The prior is saved in every TRL checkpoint and restored on resume.
+
+    v05: V0.5's knobs (``anchor_rl.trainer.v05_config.V05Config`` or a mapping of its
+        fields). The probe (``v05.probe_*``) and ``v05.top_up_rounds`` are not offered.
+    pvpo: presampling of the ``anchor`` prior's anchors (``m``, ``store``,
+        ``presample_batch``; every prompt is presampled at start); only with an
+        anchor-based prior.
+    budget: ``fixed`` (``num_generations`` per prompt). ``adaptive`` (top-up rollouts where
+        the prior is rejected) raises :class:`UnsupportedFeatureError`: TRL generates the
+        same number of completions for every prompt and reshapes the rewards to
+        ``[-1, num_generations]``. What the budget rule would have asked for is logged as
+        ``v05/extra_rollouts_wanted``.
+
+    The rest as :class:`AnchoredGRPOTrainer`. After set-up: ``prior`` (its state) and
+    ``anchor_set`` (None without an anchor-based prior).
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: datasets.Dataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        *,
+        task: Task | str,
+        v05: V05Config | Mapping[str, Any] | None = None,
+        pvpo: PVPOConfig | Mapping[str, Any] | None = None,
+        budget: Literal["fixed", "adaptive"] = "fixed",
+        task_args: Mapping[str, Any] | None = None,
+        records: Sequence[Record] | None = None,
+        reference_model: PreTrainedModel | None = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        vc = section(V05Config, v05, "v05")
+        pc = section(PVPOConfig, pvpo, "pvpo")
+        _check_v05(vc, pvpo is not None, pc, budget)
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, task=task,
+            task_args=task_args, records=records, reference_model=reference_model,
+            progress=progress, **kwargs,
+        )  # fmt: skip
+        if self.num_generations > vc.k_max:
+            raise ConfigError(
+                f"num_generations={self.num_generations} above v05.k_max={vc.k_max}: raise v05.k_max"
+            )
+        self.v05 = vc
+        self.anchor_set: AnchorSet | None = None
+        anchors = None
+        if uses_anchors(vc):
+            self.anchor_set = self._presample_start(
+                self._reference(True), self._unique_records(), pc
+            )
+            anchors = self.anchor_set.means()
+        self.prior = build_prior(vc, anchors)
+
+    def _advantages(
+        self, rewards: Tensor, ids: Sequence[str], k: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Fuse each group's rewards with its prior; ``algos.advantages.v05``: ``r - b``, ``[N]``."""
+        vc = self.v05
+        check_rewards(rewards, vc)
+        prompts = list(ids[::k])
+        group = torch.arange(len(ids)) // k
+        emb = self._embed(prompts) if uses_embeddings(vc) else None
+        prior = self.prior.predict(prompts, emb)
+        fusion = fuse_groups(rewards, group, prior, vc)
+        baseline = fusion.baseline.to(rewards.dtype)[group]
+        advantages = compute_advantage("v05", rewards=rewards, baseline=baseline)
+        self.prior.update(prompts, [rewards[group == g] for g in range(len(prompts))], emb)
+        metrics = fusion_metrics(fusion, fusion, 0)
+        metrics["v05/extra_rollouts_wanted"] = float(extra_counts(fusion, vc).sum())
+        return advantages, metrics
+
+    def _embed(self, prompts: Sequence[str]) -> Tensor:
+        """``[G, D]``: each prompt embedded by the policy, on the ids it is sampled from."""
+        ids = [
+            encode_prompt(self._tokenizer, self.records_by_id[p].prompt, self.task.instruction)
+            for p in prompts
+        ]
+        return prompt_embeddings(self.accelerator.unwrap_model(self.model), None, ids)
+
+    def _plugin_state(self) -> dict[str, Any]:
+        return super()._plugin_state() | {"prior": self.prior.state_dict()}
+
+    def _load_plugin_state(self, state: Mapping[str, Any]) -> None:
+        super()._load_plugin_state(state)
+        self.prior.load_state_dict(state["prior"])
+
+
+_PROBE_FIELDS = (
+    "probe_every",
+    "probe_prompts",
+    "probe_truth",
+    "probe_heldout",
+    "probe_heldout_truth",
+)
+
+
+def _check_v05(vc: V05Config, pvpo_given: bool, pc: PVPOConfig, budget: str) -> None:
+    if budget == "adaptive":
+        raise UnsupportedFeatureError(
+            "budget='adaptive': V0.5's top-up rollouts need more completions for some prompts "
+            "than others, and TRL's GRPOTrainer generates num_generations per prompt (its "
+            "RepeatSampler) and reshapes the rewards to [-1, num_generations] in "
+            "_generate_and_score_completions; use budget='fixed' (v05/extra_rollouts_wanted "
+            "logs what the rule would add), or anchor-rl train --preset v05"
+        )
+    if budget != "fixed":
+        raise ConfigError(f"budget={budget!r}: choose 'fixed' ('adaptive' is not offered)")
+    if probe := _non_default(vc, _PROBE_FIELDS):
+        raise ConfigError(
+            f"v05.{', v05.'.join(probe)}: the baseline-MSE probe is not offered in the TRL "
+            "plug-in; drop them (anchor-rl train --preset v05 v05.probe_every=E runs it)"
+        )
+    if _non_default(vc, ["top_up_rounds"]):
+        raise ConfigError("v05.top_up_rounds sizes top-ups, which the TRL plug-in does not sample")
+    if pvpo_given and not uses_anchors(vc):
+        raise ConfigError(
+            f"pvpo with v05.prior={vc.prior!r}: nothing presamples; drop pvpo, or an anchor prior"
+        )
+    extra = _non_default(
+        pc, [f for f in PVPOConfig.model_fields if f not in ("m", "store", "presample_batch")]
+    )
+    if extra:
+        raise ConfigError(
+            f"pvpo.{', pvpo.'.join(extra)}: V05GRPOTrainer reads pvpo.m, pvpo.store and "
+            "pvpo.presample_batch only (group sampling is PVPOGRPOTrainer's)"
+        )

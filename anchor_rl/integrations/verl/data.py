@@ -1,0 +1,206 @@
+"""verl's prompts as anchor-rl records: content keys, the presample key, the field teacher.
+
+Anchors are keyed by prompt *content*: the SHA-256 of the canonical JSON of a row's
+``raw_prompt`` (the chat messages verl's dataset yields and its agent loop renders). The
+same prompt therefore finds its anchor whatever its position in the dataset, its ``uid``
+(a fresh uuid per step) or the process that sampled it, and two rows with the same
+messages share one anchor.
+
+No verl import here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anchor_rl.anchors.keys import AnchorKey, canonical_json, fingerprint_tokenizer
+from anchor_rl.anchors.store import TeacherTrajectory
+from anchor_rl.tasks.base import Record
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "FieldTeacher",
+    "as_list",
+    "dataset_records",
+    "field_value",
+    "fingerprint_reference",
+    "plain",
+    "presample_key",
+    "prompt_key",
+]
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def plain(value: Any) -> Any:
+    """``value`` as plain Python data: numpy arrays and scalars, tensors and tuples become
+    lists and numbers (what verl's non-tensor fields hold), recursively."""
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        return plain(value.tolist())
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def as_list(values: Any) -> list[Any]:
+    """A non-tensor field of verl's batches as a plain list: a ``NonTensorStack``, the
+    ``LinkedList`` TransferQueue may return, or a numpy object array; elements unwrapped
+    from ``NonTensorData``."""
+    items = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [x.data if type(x).__name__ == "NonTensorData" else x for x in items]
+
+
+def prompt_key(raw_prompt: Any) -> str:
+    """The content key of a prompt: 32 hex characters of the SHA-256 of the canonical JSON of
+    its ``raw_prompt`` (a list of chat messages, or a string)."""
+    return hashlib.sha256(canonical_json(plain(raw_prompt)).encode()).hexdigest()[:32]
+
+
+def field_value(row: Mapping[str, Any], path: str) -> Any:
+    """``row[a][b]...`` for ``path = "a.b..."``; None where a level is missing."""
+    node: Any = row
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return plain(node)
+
+
+def dataset_records(
+    rows: Iterable[Mapping[str, Any]], solution_field: str | None = None
+) -> tuple[list[Record], dict[str, list[int]]]:
+    """One :class:`Record` per distinct prompt of ``rows`` (verl dataset items), and the row
+    indices of each key.
+
+    ``Record.id`` is :func:`prompt_key`, ``prompt`` the canonical JSON of the messages,
+    ``answer`` the row's ``reward_model.ground_truth``; ``meta["solution"]`` the value at
+    ``solution_field`` (the field teacher's trace) when given.
+    """
+    records: dict[str, Record] = {}
+    indices: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        raw = plain(row["raw_prompt"])
+        key = prompt_key(raw)
+        indices.setdefault(key, []).append(i)
+        if key in records:
+            continue
+        meta: dict[str, Any] = {"row": i}
+        if solution_field is not None:
+            meta["solution"] = field_value(row, solution_field)
+        answer = field_value(row, "reward_model.ground_truth")
+        records[key] = Record(id=key, prompt=canonical_json(raw), answer=str(answer), meta=meta)
+    return list(records.values()), indices
+
+
+def _hash_file(h: Any, path: Path) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+
+
+def fingerprint_reference(model_path: str) -> str:
+    """The identity of the reference checkpoint verl loads from ``model_path``.
+
+    A local directory: a hash of its config and weight files' bytes (a fine-tuned checkpoint
+    in the same directory gets a new identity). A Hugging Face hub id already in the local
+    cache: ``hf:ID@COMMIT`` (the snapshot's commit). Anything else is a ValueError asking for
+    ``anchor_rl.pvpo.reference``.
+    """
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model_path, local_files_only=True))
+        except Exception as exc:  # not a cached hub id either
+            raise ValueError(
+                f"cannot fingerprint the reference {model_path!r} (not a local directory nor a "
+                "cached Hugging Face model): set anchor_rl.pvpo.reference to a name that "
+                "identifies these weights"
+            ) from exc
+        if path.parent.name == "snapshots":
+            return f"hf:{model_path}@{path.name}"
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json")
+    )
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
+        raise ValueError(f"no weight files under {path}: set anchor_rl.pvpo.reference")
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        h.update(f"|{p.relative_to(path)}|{p.stat().st_size}|".encode())
+        _hash_file(h, p)
+    return h.hexdigest()
+
+
+def presample_key(
+    reference: str,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: Mapping[str, Any],
+    task: Mapping[str, Any],
+) -> AnchorKey:
+    """The store key of anchors presampled through verl: the reference's identity
+    (:func:`fingerprint_reference`), the tokenizer, the rollout's sampling settings and what
+    defines the task (training files, reward function, correctness threshold)."""
+    return AnchorKey(
+        model=reference,
+        tokenizer=fingerprint_tokenizer(tokenizer),
+        sampling=dict(sampling),
+        task=canonical_json(plain(dict(task))),
+        tag="verl/presample",
+    )
+
+
+class FieldTeacher:
+    """A dataset field's reference solution as PVPO's teacher trajectory (``field:PATH``).
+
+    The solution text (``Record.meta["solution"]``, see :func:`dataset_records`) is tokenized
+    by the policy tokenizer, followed by its end-of-sequence token; nothing sampled it, so
+    its log-probs are 0 (``log pi_gt`` of a deterministic writer, anchor-rl's ``oracle``)
+    and the ratio of its tokens is ``pi_theta``. Its reward is left NaN here: verl's reward
+    function scores the trajectory when the teacher agent loop injects it.
+    """
+
+    name = "field"
+    tries = 1
+
+    def __init__(self, path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.path, self.policy_tokenizer = path, tokenizer
+        self.fingerprint = f"field:{path}"
+        self.settings: dict[str, Any] = {"logprobs": "deterministic", "eos": tokenizer.eos_token}
+
+    def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
+        """The tokenized solution of each record, or None where the field is empty."""
+        out: list[TeacherTrajectory | None] = []
+        eos = self.policy_tokenizer.eos_token_id
+        for record in records:
+            text = record.meta.get("solution")
+            if text is None or not str(text).strip():
+                out.append(None)
+                continue
+            ids = list(self.policy_tokenizer.encode(str(text), add_special_tokens=False))
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids.append(int(eos))
+            out.append(
+                TeacherTrajectory(
+                    prompt_id=record.id,
+                    token_ids=torch.tensor(ids, dtype=torch.long),
+                    logprobs=torch.zeros(len(ids)),
+                    loss_mask=torch.ones(len(ids)),
+                    text=str(text),
+                    reward=math.nan,
+                    teacher=f"field:{self.path}",
+                )
+            )
+        return out

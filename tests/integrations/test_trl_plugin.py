@@ -1,0 +1,430 @@
+"""The TRL plug-in (anchor_rl.integrations.trl) on the CPU with the tiny random model and the
+parity task: training steps run, the advantages are anchor_rl.algos' on the same rewards
+and anchors (or priors), group sampling filters the dataset, teacher rows enter for the
+accuracy-0 prompts with log pi_gt as their old log-probs in every TRL setting, errors name
+the field, and the TRL version pin holds."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+import trl
+from helpers import ParityTask
+
+import anchor_rl.integrations.trl as plugin
+from anchor_rl.algos import advantages as algos
+from anchor_rl.algos import v05 as v05_algos
+from anchor_rl.anchors.keys import task_identity
+from anchor_rl.anchors.presample import presample_key, task_params
+from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
+from anchor_rl.errors import AnchorRLError, ConfigError
+from anchor_rl.integrations.trl import (
+    SUPPORTED_TRL,
+    PVPOGRPOTrainer,
+    UnsupportedFeatureError,
+    UnsupportedTRLError,
+    V05GRPOTrainer,
+    check_trl_version,
+    task_dataset,
+)
+from anchor_rl.integrations.trl.trainers import TEACHER_KEY
+from anchor_rl.models.factory import build_model
+from anchor_rl.rollout.types import SamplingParams
+
+M, K, MAX_NEW = 4, 4, 8
+CLASSES = {
+    "train-0": [1, 1, 1, 1],  # acc = 1: dropped by group sampling
+    "train-1": [1, 1, 1, 1],
+    "train-2": [0, 0, 0, 0],  # acc = 0: the oracle's trace ("0") is their teacher row
+    "train-3": [0, 0, 0, 0],
+    "train-4": [1, 0, 0, 0],
+    "train-5": [1, 1, 0, 0],
+    "train-6": [1, 1, 1, 0],
+    "train-7": [0, 1, 0, 1],
+}
+"""The reference's presampled rewards per prompt (stored before the trainer is built)."""
+ANCHOR = {pid: sum(r) / len(r) for pid, r in CLASSES.items()}
+
+
+def grpo_args(tmp_path: Path, **changes: Any) -> trl.GRPOConfig:
+    """2 prompts x K completions per step, one optimizer step per generation, fp32 on the CPU."""
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=3, num_generations=K,
+        per_device_train_batch_size=2 * K, max_completion_length=MAX_NEW, learning_rate=1e-4,
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, bf16=False,
+        seed=0,
+    )  # fmt: skip
+    return trl.GRPOConfig(**(kwargs | changes))
+
+
+def fill_store(path: Path, model: Any, tokenizer: Any, task: ParityTask) -> Path:
+    """Store CLASSES under the key `anchor-rl presample --temperature 1 --max-new-tokens 8`
+    gives this model on the task: the trainer must find them and sample nothing."""
+    params = task_params(SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW), task)
+    key = presample_key(model, tokenizer, params, task_identity("parity", task, {}))
+    rewards = torch.tensor(list(CLASSES.values()), dtype=torch.float64)
+    with AnchorStore(path) as store:
+        store.add_rollouts(key, list(CLASSES), rewards, rewards.bool())
+    return path
+
+
+def record(trainer: Any) -> list[tuple[list[dict[str, Any]], dict[str, Any], Any]]:
+    """Every training generation batch: (inputs, the trainer's output, the prior before it)."""
+    seen: list[tuple[list[dict[str, Any]], dict[str, Any], Any]] = []
+    original = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        prior = copy.deepcopy(getattr(trainer, "prior", None))
+        output = original(inputs)
+        seen.append((inputs, output, prior))
+        return output
+
+    trainer._generate_and_score_completions = wrapped
+    return seen
+
+
+def completion_tokens(output: dict[str, Any], row: int) -> list[int]:
+    mask = output["completion_mask"][row].bool()
+    return output["completion_ids"][row][mask].tolist()
+
+
+def task_rewards(
+    output: dict[str, Any], ids: list[str], task: ParityTask, tokenizer
+) -> torch.Tensor:
+    """The task's reward of each completion, recomputed from its tokens: [N]."""
+    texts = [
+        tokenizer.decode(completion_tokens(output, row), skip_special_tokens=True)
+        for row in range(len(ids))
+    ]
+    records = {r.id: r for r in task.records("train")}
+    return torch.tensor([task.reward(t, records[i]) for t, i in zip(texts, ids, strict=True)])
+
+
+@pytest.fixture
+def task() -> ParityTask:
+    return ParityTask()
+
+
+@pytest.fixture
+def model(tokenizer):
+    return build_model("tiny", tokenizer, seed=0)
+
+
+def test_pvpo_trains_with_anchor_advantages_group_sampling_and_teacher_rows(
+    tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path), processing_class=tokenizer, task=task,
+        pvpo={"m": M, "store": str(store)}, progress=False,
+    )  # fmt: skip
+    # Group sampling, before training: acc = 1 prompts dropped, acc = 0 ones with a trajectory.
+    assert {r.id for r in trainer.filter_result.dropped_solved} == {"train-0", "train-1"}
+    assert set(trainer.train_dataset["prompt_id"]) == {f"train-{i}" for i in range(2, 8)}
+    assert set(trainer.trajectories) == {"train-2", "train-3"}
+    counts = trainer.rollout_counts()
+    assert counts["presample_now"] == 0 and counts["presample"] == len(CLASSES) * M
+    assert counts["teacher"] == 2  # the oracle reads one trace per accuracy-0 prompt
+
+    batches = record(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(batches) == 3
+    teacher_rows = set()
+    for inputs, output, _ in batches:
+        ids = [row["prompt_id"] for row in inputs]
+        assert not {"train-0", "train-1"} & set(ids)
+        rewards = task_rewards(output, ids, task, tokenizer)
+        expected = algos.pvpo(rewards, torch.tensor([ANCHOR[i] for i in ids]))
+        torch.testing.assert_close(output["advantages"], expected)
+        for last in range(K - 1, len(ids), K):  # the last row of each group
+            if ids[last] in trainer.trajectories:
+                trace = trainer.trajectories[ids[last]].token_ids.tolist()
+                assert completion_tokens(output, last) == trace
+                assert rewards[last] == 1.0  # scored by the task like any completion
+                teacher_rows.add(ids[last])
+                for row in range(last - K + 1, last):  # the group's other rows: the policy's
+                    assert completion_tokens(output, row) != trace
+    assert teacher_rows == {"train-2", "train-3"}  # one epoch of the 6 kept prompts
+    # What TRL logs is the method's advantage: the completions table and the step's mean.
+    last_output = batches[-1][1]
+    assert list(trainer._logs["advantages"]) == last_output["advantages"].tolist()
+    logged = [h for h in trainer.state.log_history if "advantages/mean" in h]
+    assert logged[-1]["advantages/mean"] == pytest.approx(last_output["advantages"].mean().item())
+    assert sum(h["pvpo/teacher_rows"] for h in logged) == 2
+    assert trainer.rollout_counts()["policy"] == 3 * 2 * K
+
+
+def test_pvpo_presamples_a_prompt_on_its_first_use(
+    tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    params = task_params(SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW), task)
+    key = presample_key(model, tokenizer, params, task_identity("parity", task, {}))
+    store = tmp_path / "anchors.db"
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path, max_steps=2), processing_class=tokenizer,
+        task=task, pvpo={"m": M, "store": str(store)}, group_sampling=False, progress=False,
+    )  # fmt: skip
+    assert trainer.rollout_counts()["presample"] == 0
+    batches = record(trainer)
+    trainer.train()
+    seen = {row["prompt_id"] for inputs, _, _ in batches for row in inputs}
+    assert len(seen) == 4
+    with AnchorStore(store) as s:
+        stored = s.get_anchors(key)  # under the initial policy's key, not the trained one's
+    assert set(stored) == seen and all(stat.n == M for stat in stored.values())
+    counts = trainer.rollout_counts()
+    assert counts["presample_now"] == counts["presample"] == len(seen) * M
+    for inputs, output, _ in batches:
+        ids = [row["prompt_id"] for row in inputs]
+        anchor = torch.tensor([stored[i].mean for i in ids])
+        rewards = task_rewards(output, ids, task, tokenizer)
+        torch.testing.assert_close(output["advantages"], algos.pvpo(rewards, anchor))
+
+
+class _Recording(dict):
+    """A loss batch that records what TRL's ``_compute_loss`` reads from it."""
+
+    def __init__(self, batch: dict[str, Any], log: list[tuple[str, Any, Any]]) -> None:
+        super().__init__(batch)
+        self.log = log
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        if key == "old_per_token_logps":
+            self.log.append(("old", self, value))
+        return value
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if key == "importance_sampling_ratio":
+            self.log.append(("ratio", self, value))
+        return value
+
+
+class _FakeVLLM:
+    """vLLM's generation interface: two tokens per prompt with their 'sampling' log-probs."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def sync_weights(self) -> None:
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        completions = [list(self.tokens) for _ in prompts]
+        return prompts, completions, [[[-2.0]] * len(self.tokens) for _ in prompts], None
+
+
+SETTINGS = {
+    # TRL keeps no old log-probs (it uses the loss pass's own, detached): one loss call
+    "no_old_logps": ({}, 1),
+    # ... and the same micro-batch is used twice in one optimizer step
+    "no_old_logps_reused": (
+        {"num_iterations": 2, "gradient_accumulation_steps": 2, "steps_per_generation": 1},
+        2,
+    ),
+    # TRL computes old log-probs (num_iterations = 2, one micro-batch per optimizer step)
+    "old_logps": ({"num_iterations": 2, "max_steps": 2}, 2),
+    # vLLM with its importance-sampling correction (a fake engine in TRL's vLLM code path)
+    "vllm": ({}, 1),
+}
+"""setting -> (GRPOConfig changes, loss calls on the one generation batch)."""
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_teacher_rows_pi_gt_reaches_the_loss(
+    setting, tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    records = [r for r in task.records("train") if r.id in ("train-2", "train-4")]
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path, **({"max_steps": 1} | SETTINGS[setting][0])),
+        processing_class=tokenizer, task=task, train_dataset=task_dataset(task, tokenizer, records),
+        pvpo={"m": M, "store": str(store)}, progress=False,
+    )  # fmt: skip
+    tokens = tokenizer.encode("0000", add_special_tokens=False)
+    behaviour = -0.1 * torch.arange(1, len(tokens) + 1, dtype=torch.float32)
+    trainer.trajectories["train-2"] = TeacherTrajectory(
+        "train-2", torch.tensor(tokens), behaviour, torch.ones(len(tokens)), "0000", 1.0, "test"
+    )
+    if setting == "vllm":
+        stop = tokenizer.convert_tokens_to_ids("</answer>")
+        trainer.use_vllm, trainer._last_loaded_step = True, -1
+        trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_generation = _FakeVLLM(
+            [tokenizer.encode("1", add_special_tokens=False)[0], stop]
+        )
+    log: list[tuple[str, Any, Any]] = []
+    prepare = trainer._prepare_inputs
+    trainer._prepare_inputs = lambda batch: _Recording(prepare(batch), log)
+    trainer.train()
+
+    olds = [(batch, value) for kind, batch, value in log if kind == "old"]
+    assert len(olds) == SETTINGS[setting][1]
+    teacher_rows = 0
+    for batch, old in olds:
+        assert old is not None
+        for row in range(len(batch["completion_ids"])):
+            if completion_tokens(batch, row) == tokens:
+                teacher_rows += 1
+                assert torch.equal(old[row, : len(tokens)].cpu(), behaviour)
+            else:
+                own = old[row][batch["completion_mask"][row].bool()]
+                assert bool((own < 0).all())  # the policy's own log-probs
+        assert (TEACHER_KEY in batch) == setting.startswith("no_old_logps")
+    assert teacher_rows == len(olds)  # one teacher row in each loss call
+    if setting == "vllm":  # the correction is for the policy's sampler: 1 on the teacher row
+        ((_, batch, ratio),) = [entry for entry in log if entry[0] == "ratio"]
+        teacher = [completion_tokens(batch, row) == tokens for row in range(len(ratio))]
+        assert all(bool((ratio[row] == 1).all()) for row in range(len(ratio)) if teacher[row])
+        assert any(bool((ratio[row] != 1).any()) for row in range(len(ratio)) if not teacher[row])
+
+
+def test_v05_fuses_each_group_with_its_prior(tmp_path, tokenizer, task, model, one_thread) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    args = grpo_args(tmp_path, save_strategy="steps", save_steps=3)
+    trainer = V05GRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, task=task,
+        pvpo={"m": M, "store": str(store)}, progress=False,
+    )  # fmt: skip
+    assert trainer.rollout_counts()["presample_now"] == 0  # the anchor prior's anchors: stored
+    batches = record(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(batches) == 3
+    weights = []
+    for inputs, output, prior in batches:
+        ids = [row["prompt_id"] for row in inputs]
+        prompts = ids[::K]
+        rewards = task_rewards(output, ids, task, tokenizer)
+        emp_mean = rewards.view(-1, K).double().mean(dim=1)
+        k = torch.full((len(prompts),), K)
+        baseline, weight, _ = v05_algos.fuse(emp_mean, k, prior.predict(prompts).double(), 0.25)
+        expected = algos.v05(rewards, baseline.float().repeat_interleave(K))
+        torch.testing.assert_close(output["advantages"], expected)
+        weights += weight.tolist()
+    assert max(weights) > 0  # the run rejected a prior somewhere: fusion, not the prior alone
+    everything = list(CLASSES)
+    first = batches[0][2].predict(everything)
+    assert not torch.equal(trainer.prior.predict(everything), first)  # the prior learned
+    # The prior is in the checkpoint and comes back when a run resumes from it.
+    fresh = V05GRPOTrainer(
+        model=build_model("tiny", tokenizer, seed=0), args=grpo_args(tmp_path / "b"),
+        processing_class=tokenizer, task=task, pvpo={"m": M, "store": str(store)},
+        progress=False,
+    )  # fmt: skip
+    restored = []
+    load = fresh._load_plugin_state
+
+    def spy(state):
+        load(state)
+        restored.append((fresh.prior.predict(everything), fresh.rollout_counts()))
+
+    fresh._load_plugin_state = spy
+    fresh.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    ((prior, counts),) = restored
+    assert torch.equal(prior, trainer.prior.predict(everything))
+    assert counts == trainer.rollout_counts()
+
+
+def test_settings_that_cannot_work_are_refused_naming_the_field(
+    tmp_path, tokenizer, task, model
+) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    common = {"processing_class": tokenizer, "task": task, "progress": False}
+    pvpo = {"m": M, "store": str(store)}
+    args = grpo_args(tmp_path)
+    with pytest.raises(ConfigError, match="reward_funcs: .*with_rewards"):
+        PVPOGRPOTrainer(model, [lambda **_: [1.0]], args, pvpo=pvpo, **common)
+    with pytest.raises(ConfigError, match=r"pvpo\.m: .*greater than 0"):
+        PVPOGRPOTrainer(model, args=args, pvpo={"m": 0}, **common)
+    with pytest.raises(ConfigError, match=r"pvpo\.teacher_model.*without group sampling"):
+        PVPOGRPOTrainer(
+            model, args=args, pvpo=pvpo | {"teacher_model": "x"}, group_sampling=False, **common
+        )
+    with pytest.raises(ConfigError, match="top_k=50.*set top_k=0"):
+        PVPOGRPOTrainer(model, args=grpo_args(tmp_path, top_k=50), pvpo=pvpo, **common)
+    with pytest.raises(ConfigError, match="remove_unused_columns=False"):
+        PVPOGRPOTrainer(
+            model, args=grpo_args(tmp_path, remove_unused_columns=True), pvpo=pvpo, **common
+        )
+    plain = datasets.Dataset.from_list([{"prompt": "q0", "prompt_id": "train-0"}])
+    with pytest.raises(ConfigError, match="row 0 \\(prompt_id 'train-0'\\).*task_dataset"):
+        PVPOGRPOTrainer(model, args=args, train_dataset=plain, pvpo=pvpo, **common)
+    stranger = datasets.Dataset.from_list([{"prompt": "q0", "prompt_id": "nope"}])
+    with pytest.raises(ConfigError, match="prompt_id 'nope' is not a record"):
+        PVPOGRPOTrainer(model, args=args, train_dataset=stranger, pvpo=pvpo, **common)
+    with pytest.raises(ConfigError, match=r"v05\.probe_every"):
+        V05GRPOTrainer(model, args=args, v05={"probe_every": 5}, **common)
+    with pytest.raises(ConfigError, match=r"num_generations=4 above v05\.k_max=2"):
+        V05GRPOTrainer(model, args=args, v05={"k_max": 2, "prior": "history"}, **common)
+    with pytest.raises(ConfigError, match=r"pvpo with v05\.prior='history'"):
+        V05GRPOTrainer(model, args=args, v05={"prior": "history"}, pvpo=pvpo, **common)
+    tools = ParityTask()
+    tools.tools = {"search": object()}
+    with pytest.raises(ConfigError, match="uses tools"):
+        PVPOGRPOTrainer(model, args=args, **(common | {"task": tools}))
+
+
+def test_what_the_plugin_cannot_do_raises_not_implemented(tmp_path, tokenizer, task, model) -> None:
+    common = {"args": grpo_args(tmp_path), "processing_class": tokenizer, "task": task}
+    with pytest.raises(NotImplementedError, match="num_generations per prompt") as err:
+        V05GRPOTrainer(model, budget="adaptive", **common)
+    assert isinstance(err.value, UnsupportedFeatureError) and isinstance(err.value, AnchorRLError)
+    with pytest.raises(UnsupportedFeatureError, match="pvpo.refresh_every=50"):
+        PVPOGRPOTrainer(model, pvpo={"refresh_every": 50}, **common)
+
+
+def test_the_trl_version_pin() -> None:
+    check_trl_version(trl.__version__)  # the installed TRL is a supported one
+    for version in ("1.16.0", "1.16.7"):
+        check_trl_version(version)
+    for version in ("1.15.9", "1.17.0", "2.0.0", "not-a-version"):
+        with pytest.raises(UnsupportedTRLError, match=re.escape(SUPPORTED_TRL)) as err:
+            check_trl_version(version)
+        assert isinstance(err.value, ImportError) and isinstance(err.value, AnchorRLError)
+
+
+def test_importing_the_plugin_refuses_an_unsupported_trl(monkeypatch) -> None:
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.raises(ImportError, match="supports TRL >=1.16.0,<1.17, found 1.17.0"):
+        importlib.reload(plugin)
+    monkeypatch.undo()
+    importlib.reload(plugin)
+
+
+HOOKS = {
+    "_generate": ["self", "prompts"],
+    "_generate_and_score_completions": ["self", "inputs"],
+    "_calculate_rewards": ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+    "_compute_loss": ["self", "model", "inputs"],
+    "_get_per_token_logps_and_entropies": ["self", "model", "input_ids", "attention_mask"],
+    "_tokenize_prompts": ["self", "prompts"],
+    "_save_checkpoint": ["self", "model", "trial"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+}
+
+
+def test_the_private_hooks_the_plugin_overrides_exist_in_this_trl() -> None:
+    for name, params in HOOKS.items():
+        found = list(inspect.signature(getattr(trl.GRPOTrainer, name)).parameters)
+        assert found[: len(params)] == params, name
+    source = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    # the order the no-old-log-probs path relies on: the log-prob pass, then the read
+    assert source.index("_get_per_token_logps_and_entropies") < source.index(
+        'inputs.get("old_per_token_logps")'
+    )
+
+
+def test_the_integrations_package_does_not_import_trl() -> None:
+    code = "import sys, anchor_rl.integrations; assert 'trl' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,266 @@
+"""The verl plug-in outside a training run: registration through verl's own plug-in mechanism
+(in fresh processes), the registered policy loss against verl's, the config checks, and the
+set-up of the method state (presampling and group sampling through anchor-rl's code)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+from anchor_rl.algos.losses import policy_loss
+from anchor_rl.anchors.keys import AnchorKey
+from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.integrations.verl import TRAINER
+from anchor_rl.integrations.verl.config import MethodConfig, check_verl_config
+from anchor_rl.integrations.verl.data import prompt_key
+from anchor_rl.integrations.verl.estimators import ppo_policy_loss
+from anchor_rl.integrations.verl.trainer import prepare_method
+
+PROBE = r"""
+import json, logging, sys
+logging.disable(logging.WARNING)
+import verl  # the only import: verl's plug-in loading must register everything
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, PPOTrainer
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+trainer = TRAINER_REGISTRY.get("anchor_rl")
+print(json.dumps({
+    "trainer": None if trainer is None else f"{trainer.__module__}.{trainer.__name__}",
+    "is_ppo_trainer": trainer is not None and issubclass(trainer, PPOTrainer),
+    "estimators": {n: getattr(ADV_ESTIMATOR_REGISTRY.get(n), "__module__", None)
+                   for n in ("anchor_rl_pvpo", "anchor_rl_v05")},
+    "losses": {n: getattr(POLICY_LOSS_REGISTRY.get(n), "__module__", None) for n in ("anchor_rl_ppo",)},
+    "agent_loops": {n: _agent_loop_registry.get(n) for n in ("anchor_rl_teacher",)},
+    "plugin_loaded": "anchor_rl.integrations.verl.plugin" in sys.modules,
+}))
+"""
+
+
+def _probe(**env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", PROBE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_bare_import_of_verl_registers_every_name_through_the_entry_point() -> None:
+    on, off = _probe(), _probe(VERL_USE_EXTERNAL_PLUGINS="none")  # both run at once
+    got, without = _result(on), _result(off)
+    assert got == {
+        "trainer": "anchor_rl.integrations.verl.trainer.AnchorRLTrainer",
+        "is_ppo_trainer": True,
+        "estimators": {
+            "anchor_rl_pvpo": "anchor_rl.integrations.verl.estimators",
+            "anchor_rl_v05": "anchor_rl.integrations.verl.estimators",
+        },
+        "losses": {"anchor_rl_ppo": "anchor_rl.integrations.verl.estimators"},
+        "agent_loops": {
+            "anchor_rl_teacher": {
+                "_target_": "anchor_rl.integrations.verl.rollout.TeacherAgentLoop"
+            }
+        },
+        "plugin_loaded": True,
+    }
+    # with verl's plug-in discovery off nothing of ours is there: the entry point did it
+    assert without["trainer"] is None and not without["plugin_loaded"]
+    assert without["estimators"] == {"anchor_rl_pvpo": None, "anchor_rl_v05": None}
+
+
+def test_the_entry_point_is_declared_in_the_package_metadata() -> None:
+    points = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
+    assert points.get("anchor_rl") == "anchor_rl.integrations.verl.plugin"
+
+
+# --- the registered policy loss --------------------------------------------------------------
+
+
+def _loss_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 9
+    old = -torch.rand(B, T, generator=g) * 3
+    new = old + torch.randn(B, T, generator=g) * 0.6
+    adv = torch.randn(B, T, generator=g)
+    lengths = torch.tensor([9, 4, 1, 7, 0, 3])
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    return old, new, adv, mask
+
+
+def _actor_config(clip_c: float | None, info: dict) -> types.SimpleNamespace:
+    cfg = types.SimpleNamespace(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c,
+        global_batch_info=dict(info),
+    )  # fmt: skip
+    cfg.get = lambda name, default=None: getattr(cfg, name, default)
+    return cfg
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_anchor_rl_ppo_equals_verl_vanilla_with_the_dual_clip_on(mode: str) -> None:
+    old, new, adv, mask = _loss_inputs()
+    # a micro-batch of a global batch of 40 tokens / 11 sequences over 2 data-parallel ranks
+    info = {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 11}
+    ours, metrics = ppo_policy_loss(old, new, adv, mask, mode, _actor_config(3.0, info))
+    theirs, _ = compute_policy_loss_vanilla(old, new, adv, mask, mode, _actor_config(3.0, info))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert set(metrics) >= {"actor/anchor_rl/clipfrac_high", "actor/anchor_rl/clipfrac_low"}
+
+
+def test_anchor_rl_ppo_without_the_dual_clip_is_anchor_rls_loss_on_verls_normaliser() -> None:
+    old, new, adv, mask = _loss_inputs(1)
+    adv = adv - 2.0  # negative advantages, where the dual clip binds
+    info = {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 11}
+    ours, _ = ppo_policy_loss(old, new, adv, mask, "token-mean", _actor_config(None, info))
+    local, _ = policy_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, agg="token-mean")
+    torch.testing.assert_close(ours, local * mask.sum() / 40 * 2)
+    vanilla, _ = compute_policy_loss_vanilla(
+        old, new, adv, mask, "token-mean", _actor_config(3.0, info)
+    )
+    assert not torch.allclose(ours, vanilla)  # verl's vanilla always dual-clips
+
+
+def test_anchor_rl_ppo_refuses_what_it_cannot_mean() -> None:
+    old, new, adv, mask = _loss_inputs()
+    with pytest.raises(ValueError, match="rollout-correction"):
+        ppo_policy_loss(
+            old, new, adv, mask, "token-mean", _actor_config(None, {}), torch.ones_like(old)
+        )
+    with pytest.raises(ValueError, match="aggregates with"):
+        ppo_policy_loss(old, new, adv, mask, "token-sum", _actor_config(None, {}))
+
+
+# --- config checks ------------------------------------------------------------------------
+
+
+def _verl_cfg(method: str, **extra: object) -> OmegaConf:
+    base = {
+        "algorithm": {
+            "adv_estimator": {"pvpo": "anchor_rl_pvpo", "v05": "anchor_rl_v05"}.get(method, "gae"),
+            "lam": 1.0,
+        },
+        "actor_rollout_ref": {"rollout": {"n": 4}},
+        "critic": {"enable": None},
+        "anchor_rl": {"method": method},
+    }
+    return OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(extra))
+
+
+@pytest.mark.parametrize(
+    ("method", "extra", "match"),
+    [
+        (
+            "pvpo",
+            {"algorithm": {"adv_estimator": "grpo"}},
+            "algorithm.adv_estimator=anchor_rl_pvpo",
+        ),
+        ("v05", {"algorithm": {"filter_groups": {"enable": True}}}, "filter_groups"),
+        ("vapo", {"algorithm": {"lam": 0.95}}, "anchor_rl.vapo.policy_lam"),
+        ("vapo", {"critic": {"enable": False}}, "critic.enable=true"),
+        (
+            "pvpo",
+            {
+                "anchor_rl": {"pvpo": {"teacher": "field:x"}},
+                "actor_rollout_ref": {"rollout": {"n": 1}},
+            },
+            "rollout.n >= 2",
+        ),
+        ("v05", {"actor_rollout_ref": {"rollout": {"n": 32}}}, "k_max"),
+    ],
+)
+def test_combinations_that_cannot_mean_what_they_say_are_refused(method, extra, match) -> None:
+    cfg = _verl_cfg(method, **extra)
+    with pytest.raises(ValueError, match=match):
+        check_verl_config(cfg, MethodConfig.from_verl(cfg))
+
+
+def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
+    with pytest.raises(ValueError, match="knn prior"):
+        MethodConfig.from_verl({"anchor_rl": {"method": "v05", "v05": {"prior": "knn+history"}}})
+    with pytest.raises(ValueError, match="field:PATH"):
+        MethodConfig.from_verl({"anchor_rl": {"method": "pvpo", "pvpo": {"teacher": "hf:big"}}})
+    with pytest.raises(ValueError):  # CriticConfig's bounds: a lambda lies in [0, 1]
+        MethodConfig.from_verl({"anchor_rl": {"method": "vapo", "vapo": {"lam": 1.5}}})
+    with pytest.raises(ValueError, match="anchor_rl. config node"):
+        MethodConfig.from_verl({"trainer": {"v1": {"trainer_mode": TRAINER}}})
+    check_verl_config(_verl_cfg("vapo"), MethodConfig.from_verl(_verl_cfg("vapo")))  # fine
+
+
+# --- set-up: presampling and group sampling -----------------------------------------------
+
+ROWS = [
+    {"raw_prompt": [{"role": "user", "content": "always solved"}], "sol": "4 #### 4"},
+    {"raw_prompt": [{"role": "user", "content": "never solved, with a solution"}], "sol": "#### 7"},
+    {"raw_prompt": [{"role": "user", "content": "sometimes solved"}], "sol": "#### 1"},
+    {"raw_prompt": [{"role": "user", "content": "never solved, no solution"}], "sol": ""},
+    {"raw_prompt": [{"role": "user", "content": "sometimes solved"}], "sol": "#### 1"},  # a repeat
+]
+REWARDS = {0: [1.0, 1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0, 0.0], 2: [1.0, 0.0, 0.0, 1.0], 3: [0.0] * 4}
+
+
+def _rows() -> list[dict]:
+    return [
+        {**r, "reward_model": {"ground_truth": str(i)}, "extra_info": {"answer": r["sol"]}}
+        for i, r in enumerate(ROWS)
+    ]
+
+
+def test_presampling_and_group_sampling_decide_the_anchors_and_the_rows_trained_on(
+    tmp_path, tokenizer
+) -> None:
+    by_key = {prompt_key(r["raw_prompt"]): REWARDS[i] for i, r in enumerate(ROWS[:4])}
+    calls = []
+
+    def sampler(records, n, first, seed):  # verl's rollout stands in here: fixed rewards
+        calls.append(len(records))
+        rewards = torch.tensor([by_key[r.id][:n] for r in records], dtype=torch.float64)
+        return rewards, rewards >= 1.0
+
+    cfg = MethodConfig.from_verl({"anchor_rl": {
+        "method": "pvpo", "store": str(tmp_path / "anchors.db"),
+        "pvpo": {"m": 4, "teacher": "field:extra_info.answer"},
+    }})  # fmt: skip
+    key = AnchorKey(model="ref", tokenizer="tok", task="gsm8k")
+    prepared = prepare_method(cfg, _rows(), tokenizer, key, sampler)
+    assert sum(calls) == 4  # four distinct prompts (the repeat shares its anchor)
+    assert prepared.rows == [1, 2, 4]  # solved and unsolvable-without-solution dropped
+    state = prepared.state
+    assert state.anchor_of([prompt_key(ROWS[2]["raw_prompt"])]).tolist() == [0.5]
+    (teacher,) = state.trajectories.values()
+    assert teacher.prompt_id == prompt_key(ROWS[1]["raw_prompt"])
+    ids = tokenizer.encode("#### 7", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert teacher.token_ids.tolist() == ids and teacher.logprobs.abs().sum() == 0
+    # a second run finds everything in the store and samples nothing
+    again = prepare_method(cfg, _rows(), tokenizer, key, sampler)
+    assert sum(calls) == 4 and again.rows == prepared.rows
+    assert again.presampled.rollouts == 0
+
+
+def test_anchors_under_a_given_key_are_read_and_missing_prompts_refused(tmp_path) -> None:
+    store_file = tmp_path / "anchors.db"
+    key = AnchorKey(model="offline", tokenizer="tok")
+    with AnchorStore(store_file) as store:
+        store.add_rollouts(key, [prompt_key(ROWS[0]["raw_prompt"])], [[1.0, 0.0, 0.0]], [[1, 0, 0]])
+    cfg = MethodConfig.from_verl({"anchor_rl": {
+        "method": "pvpo", "store": str(store_file), "pvpo": {"anchor_key": key.digest, "group_sampling": False},
+    }})  # fmt: skip
+    state = prepare_method(cfg, _rows()[:1]).state
+    assert state.anchor_of([prompt_key(ROWS[0]["raw_prompt"])]).tolist() == pytest.approx([1 / 3])
+    with pytest.raises(KeyError, match="have no anchor"):
+        prepare_method(cfg, _rows()[:2])

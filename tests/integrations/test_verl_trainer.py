@@ -1,0 +1,347 @@
+"""The ``anchor_rl`` trainer on verl's real code, on the CPU: built from the example Hydra config
+(verl's ppo_trainer.yaml plus the method group), its advantage step on a ``DataProto`` built
+as verl's advantage stage builds it, and its whole advantage stage through a real
+TransferQueue. Expected advantages come from anchor-rl's own functions on the same inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from verl.protocol import DataProto
+from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from anchor_rl.algos.advantages import masked_whiten, pvpo, v05
+from anchor_rl.algos.gae import gae, length_adaptive_lambda
+from anchor_rl.anchors.keys import AnchorKey
+from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.integrations.verl.data import prompt_key
+from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
+from anchor_rl.integrations.verl.trainer import (
+    AnchorRLTrainer,
+    object_array,
+    prepare_method,
+)
+from anchor_rl.trainer.v05 import build_prior, fuse_groups
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "verl" / "config"
+PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 * 6?"}],
+    [{"role": "user", "content": "Name a prime above 10."}],
+]
+ANCHOR_REWARDS = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+
+
+def compose_config(method: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(
+            config_name="anchor_rl_qwen2.5_1.5b",
+            overrides=[
+                f"anchor_rl_method={method}",
+                "actor_rollout_ref.model.path=/nonexistent",
+                *overrides,
+            ],
+        )
+
+
+@pytest.fixture(scope="module")
+def anchors(tmp_path_factory) -> tuple[str, str]:
+    """(store file, digest) holding the static anchors of PROMPTS."""
+    path = tmp_path_factory.mktemp("store") / "anchors.db"
+    key = AnchorKey(model="reference", tokenizer="tok", task="test")
+    with AnchorStore(path) as store:
+        rewards = torch.tensor(ANCHOR_REWARDS)
+        store.add_rollouts(key, [prompt_key(p) for p in PROMPTS], rewards, rewards > 0)
+    return str(path), key.digest
+
+
+def trainer_for(method: str, anchors: tuple[str, str], *overrides: str) -> AnchorRLTrainer:
+    store, digest = anchors
+    cfg = compose_config(
+        method,
+        f"anchor_rl.store={store}",
+        f"anchor_rl.pvpo.anchor_key={digest}",
+        "anchor_rl.pvpo.group_sampling=false",
+        "anchor_rl.pvpo.teacher=null",
+        *overrides,
+    )
+    trainer = AnchorRLTrainer(cfg)
+    rows = [{"raw_prompt": p, "reward_model": {"ground_truth": "x"}} for p in PROMPTS]
+    trainer.state = prepare_method(trainer.method_cfg, rows).state
+    return trainer
+
+
+def trajectories(seed: int, per_prompt=(3, 4, 2), values: bool = False) -> list[tuple[str, dict]]:
+    """(key, fields) of each trajectory as verl's agent loop writes it into TransferQueue."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, n in enumerate(per_prompt):
+        for s in range(n):
+            length = int(torch.randint(1, 8, (1,), generator=g))
+            mask = torch.ones(length, dtype=torch.int64)
+            if length >= 4:
+                mask[1] = 0  # a tool-output token inside the response
+            scores = torch.zeros(length)
+            scores[-1] = float(torch.randint(0, 2, (1,), generator=g))
+            fields = {
+                "uid": f"uid{p}",
+                "raw_prompt": PROMPTS[p],
+                "prompts": torch.arange(3 + p),
+                "responses": torch.randint(5, 50, (length,), generator=g),
+                "response_mask": mask,
+                "rm_scores": scores,
+                "extra_fields": {},
+            }
+            if values:
+                fields["values"] = torch.rand(length, generator=g)
+            out.append((f"uid{p}_{s}_0", fields))
+    return out
+
+
+def as_dataproto(rows: list[tuple[str, dict]], names: list[str]) -> DataProto:
+    """The DataProto of verl's advantage stage: the fields from TransferQueue, padded."""
+    td = list_of_dict_to_tensordict([fields for _, fields in rows]).select(*names)
+    non_tensor = {
+        name: object_array(td.pop(name).tolist()) for name in ("uid", "raw_prompt") if name in names
+    }
+    data = DataProto(batch=td.to_padded_tensor())
+    data.non_tensor_batch.update(non_tensor)
+    data.batch["token_level_scores"] = data.batch["rm_scores"]
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    return data
+
+
+def padded(rows: list[tuple[str, dict]], name: str) -> torch.Tensor:
+    return torch.nested.nested_tensor(
+        [f[name] for _, f in rows], layout=torch.jagged
+    ).to_padded_tensor(0)
+
+
+# --- the composed config and the registered trainer ---------------------------------------
+
+
+def test_every_verl_key_the_example_sets_is_one_of_verls() -> None:
+    """A typo in the example would add a key verl never reads; compare with verl's own config."""
+    import verl
+    import yaml
+
+    verl_configs = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(verl_configs), version_base=None):
+        base = OmegaConf.to_container(compose(config_name="ppo_trainer"), resolve=False)
+
+    def leaves(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    files = [
+        CONFIG_DIR / "anchor_rl_qwen2.5_1.5b.yaml",
+        *sorted((CONFIG_DIR / "anchor_rl_method").glob("*.yaml")),
+    ]
+    for path in files:
+        doc = yaml.safe_load(path.read_text())
+        for key in leaves(
+            {k: v for k, v in doc.items() if k not in ("hydra", "defaults", "anchor_rl")}
+        ):
+            node = base
+            for part in key.split("."):
+                assert part in node, f"{path.name}: {key} is not a verl setting"
+                node = node[part]
+
+
+@pytest.mark.parametrize(
+    ("method", "estimator", "critic"),
+    [("pvpo", "anchor_rl_pvpo", False), ("v05", "anchor_rl_v05", False), ("vapo", "gae", True)],
+)
+def test_the_method_group_switches_the_registered_trainer(
+    method, estimator, critic, anchors
+) -> None:
+    trainer = trainer_for(method, anchors)
+    assert trainer.config.trainer.v1.trainer_mode == "anchor_rl"
+    assert trainer.method_cfg.method == method
+    assert trainer.config.algorithm.adv_estimator == estimator and trainer.use_critic is critic
+    assert trainer.trainer_mode == "sync"  # verl's sync replay buffer and semantics
+
+
+# --- the advantage step on a DataProto ------------------------------------------------------
+
+
+def test_pvpo_advantage_is_reward_minus_the_prompts_anchor(anchors) -> None:
+    trainer = trainer_for("pvpo", anchors)
+    rows = trajectories(0)
+    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    metrics = trainer.state.advantage_step(data, trainer.config.algorithm, 8)
+    rewards = padded(rows, "rm_scores").sum(-1)
+    mask = padded(rows, "response_mask").float()
+    anchor = torch.tensor([sum(ANCHOR_REWARDS[int(f["uid"][-1])]) / 4 for _, f in rows])
+    expected = pvpo(rewards, anchor).unsqueeze(-1) * mask
+    torch.testing.assert_close(data.batch["advantages"], expected)
+    torch.testing.assert_close(data.batch["returns"], expected)
+    assert metrics["pvpo/anchor_mean"] == pytest.approx(anchor.mean().item())
+    assert "reward_baselines" not in data.batch
+
+
+def test_v05_advantage_uses_the_fused_baseline_and_the_prior_learns(anchors) -> None:
+    trainer = trainer_for("v05", anchors)
+    vc = trainer.method_cfg.v05.v05_config()
+    keys = [prompt_key(p) for p in PROMPTS]
+    means = {k: sum(r) / 4 for k, r in zip(keys, ANCHOR_REWARDS, strict=True)}
+    reference = build_prior(vc, means)  # the prior as it stands before the step
+    rows = trajectories(1)
+    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    metrics = trainer.state.advantage_step(data, trainer.config.algorithm, 4)
+
+    rewards = padded(rows, "rm_scores").sum(-1)
+    group = torch.tensor([int(f["uid"][-1]) for _, f in rows])
+    fusion = fuse_groups(rewards, group, reference.predict(keys), vc)
+    expected = v05(rewards, fusion.baseline.float()[group]).unsqueeze(-1) * padded(
+        rows, "response_mask"
+    )
+    torch.testing.assert_close(data.batch["advantages"], expected)
+    assert metrics["v05/baseline_mean"] == pytest.approx(fusion.baseline.mean().item())
+    reference.update(keys, [rewards[group == g] for g in range(3)], None)
+    torch.testing.assert_close(trainer.state.prior.predict(keys), reference.predict(keys))
+    assert not torch.allclose(reference.predict(keys), build_prior(vc, means).predict(keys))
+
+
+def test_v05_padding_rows_join_no_group_and_teach_the_prior_nothing(anchors) -> None:
+    rows = trajectories(2)
+    names = ["uid", "raw_prompt", "response_mask", "rm_scores"]
+    plain_trainer, padded_trainer = trainer_for("v05", anchors), trainer_for("v05", anchors)
+    plain = as_dataproto(rows, names)
+    plain_trainer.state.advantage_step(plain, plain_trainer.config.algorithm, 4)
+    pad = dict(
+        rows[0][1],
+        uid="padXYZ",
+        response_mask=torch.zeros(1, dtype=torch.int64),
+        rm_scores=torch.zeros(1),
+    )
+    with_pad = as_dataproto([*rows, ("padXYZ_0_0", pad)], names)
+    valid = torch.tensor([True] * len(rows) + [False])
+    padded_trainer.state.advantage_step(with_pad, padded_trainer.config.algorithm, 4, valid)
+    width = plain.batch["advantages"].shape[1]
+    torch.testing.assert_close(
+        with_pad.batch["advantages"][: len(rows), :width], plain.batch["advantages"]
+    )
+    assert with_pad.batch["advantages"][-1].abs().sum() == 0
+    keys = [prompt_key(p) for p in PROMPTS]
+    torch.testing.assert_close(
+        padded_trainer.state.prior.predict(keys), plain_trainer.state.prior.predict(keys)
+    )
+
+
+def test_vapo_decoupled_length_adaptive_gae_on_the_critics_values(anchors) -> None:
+    trainer = trainer_for("vapo", anchors)
+    rows = trajectories(3, values=True)
+    data = as_dataproto(rows, ["uid", "response_mask", "rm_scores", "values"])
+    metrics = trainer.state.advantage_step(data, trainer.config.algorithm, 16)
+
+    mask = padded(rows, "response_mask").float()
+    token_rewards, values = padded(rows, "rm_scores"), padded(rows, "values")
+    lam = length_adaptive_lambda(mask.sum(-1), 0.05, 0.0)
+    expected = masked_whiten(gae(token_rewards, values, mask, 1.0, lam)[0], mask) * mask
+    torch.testing.assert_close(data.batch["advantages"], expected)
+    # the critic's lambda is 1: Monte-Carlo returns, the outcome on every policy token
+    outcome = token_rewards.sum(-1, keepdim=True).expand_as(mask)
+    torch.testing.assert_close(data.batch["returns"], torch.where(mask > 0, outcome, 0))
+    # verl's own GAE (one lambda for both) gives other advantages
+    verl_adv, _ = compute_gae_advantage_return(token_rewards, values, mask, 1.0, 1.0)
+    assert not torch.allclose(verl_adv, data.batch["advantages"], atol=1e-3)
+    correct = (token_rewards.sum(-1) >= 1.0).float()
+    share = (mask.sum(-1) * correct).sum() / mask.sum()
+    torch.testing.assert_close(data.batch[NLL_WEIGHT], correct / share)
+    assert "anchor_rl/critic/policy_lam" in metrics
+
+
+def test_vapo_state_needs_no_anchors_and_pvpo_refuses_unknown_prompts(anchors) -> None:
+    trainer = trainer_for("pvpo", anchors)
+    rows = trajectories(4)
+    rows[0][1]["raw_prompt"] = [{"role": "user", "content": "never presampled"}]
+    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    with pytest.raises(KeyError, match="no anchor"):
+        trainer.state.advantage_step(data, trainer.config.algorithm, 8)
+    assert isinstance(MethodState(trainer_for("vapo", anchors).method_cfg), MethodState)
+
+
+# --- the whole advantage stage, through a real TransferQueue --------------------------------
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+def _stage(trainer, tq, rows, tags) -> tuple[torch.Tensor, dict, dict]:
+    from transfer_queue import KVBatchMeta
+
+    keys = [k for k, _ in rows]
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id="train",
+        fields=list_of_dict_to_tensordict([f for _, f in rows]),
+        tags=tags,
+    )
+    metrics: dict = {}
+    meta = trainer._compute_advantage(
+        KVBatchMeta(keys=keys, tags=tags, partition_id="train"), metrics
+    )
+    # the handle the next stages get lists the new fields (verl hands workers only those)
+    assert {"advantages", "returns", "rm_scores"} <= set(meta.fields)
+    out = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages", "returns"])
+    tq.kv_clear(keys=keys, partition_id="train")
+    return out["advantages"].to_padded_tensor(0.0), out, metrics
+
+
+def test_the_trainers_advantage_stage_writes_our_advantages_to_the_transfer_queue(
+    anchors, transfer_queue
+) -> None:
+    tq = transfer_queue
+    rows = trajectories(5)
+    pad = dict(
+        rows[0][1],
+        uid="padABC",
+        response_mask=torch.zeros(1, dtype=torch.int64),
+        rm_scores=torch.zeros(1),
+        responses=torch.ones(1, dtype=torch.long),
+    )
+    rows.append(("padABC_0_0", pad))
+    tags = [{"status": "success"} for _ in rows[:-1]] + [{"status": "success", "is_padding": True}]
+    trainer = trainer_for("pvpo", anchors)
+    advantages, _, metrics = _stage(trainer, tq, rows, tags)
+
+    rewards = padded(rows, "rm_scores").sum(-1)
+    anchor = torch.tensor(
+        [
+            sum(ANCHOR_REWARDS[int(f["uid"][-1])]) / 4 if "pad" not in f["uid"] else 0.0
+            for _, f in rows
+        ]
+    )
+    expected = pvpo(rewards, anchor).unsqueeze(-1) * padded(rows, "response_mask")
+    torch.testing.assert_close(advantages, expected)
+    assert metrics["pvpo/anchor_mean"] == pytest.approx(anchor[:-1].mean().item())
+
+    vapo = trainer_for("vapo", anchors)
+    rows = trajectories(6, values=True)
+    advantages, out, metrics = _stage(vapo, tq, rows, [{"status": "success"} for _ in rows])
+    data = as_dataproto(rows, ["uid", "response_mask", "rm_scores", "values"])
+    MethodState(vapo.method_cfg).advantage_step(data, vapo.config.algorithm, 16)
+    torch.testing.assert_close(advantages, data.batch["advantages"])
+    torch.testing.assert_close(out["returns"].to_padded_tensor(0.0), data.batch["returns"])
+    assert "anchor_rl/critic/explained_variance" in metrics
+    assert np.isfinite(metrics["anchor_rl/critic/value_mse"])
