@@ -31,8 +31,8 @@ SETTINGS: tuple[str, ...] = (
     "rollout.prompts_per_step=8",
     "rollout.n=4",
     "pvpo.m=8",
-    "eval.every=10",
-    "eval.prompts=200",
+    "eval.every=20",
+    "eval.prompts=1000",
     "eval.train_prompts=256",
     "checkpoint.every=20",
 )

@@ -23,7 +23,7 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     per_preset = { pvpo = { pvpo = { m = 2 } } }   # a profile may hold per-preset settings too
 
     runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
-    target_accuracy = 0.5               # optional: report wall time and rollouts to reach it
+    target_accuracy = 0.5               # optional: wall time and rollouts to reach it and stay
     target_metric = "eval/train_accuracy"  # optional: the metric it applies to (default eval/accuracy)
     baseline = "grpo"                   # optional: the run label the paired table compares to
                                         #   (default: the first label)
@@ -85,7 +85,8 @@ class Suite:
     runs: list[str] = field(default_factory=list)
     """Labels (``preset`` or ``preset+variant``) of the cells to run; empty: every cell."""
     target_accuracy: float | None = None
-    """Accuracy whose first crossing the summary times (``target_*`` figures)."""
+    """Accuracy the summary times the runs to (``target_*`` figures): reached at the evaluation
+    from which the curve stays at or above it (:func:`~anchor_rl.bench.summary.first_sustained`)."""
     target_metric: str = "eval/accuracy"
     """The metric ``target_accuracy`` applies to (``eval/train_accuracy``: training prompts)."""
     baseline: str | None = None
@@ -183,7 +184,9 @@ def plan(
         cli["steps"] = steps
     chosen = dict(suite.profiles.get(profile, {})) if profile else {}
     profile_per_preset = chosen.pop("per_preset", {})
-    variants = suite.variants or {"": {}}
+    # every preset bare and crossed with each variant; without `runs`, the bare presets run
+    # only when the suite has no variants
+    variants = {"": {}, **suite.variants}
     labels = [f"{p}+{v}" if v else p for p in suite.presets for v in variants]
     if missing := [r for r in suite.runs if r not in labels]:
         raise ConfigError(f"suite {suite.name!r}: runs {missing} are not among {labels}")
@@ -191,7 +194,8 @@ def plan(
     for preset in suite.presets:
         for variant, settings in variants.items():
             label = f"{preset}+{variant}" if variant else preset
-            if suite.runs and label not in suite.runs:
+            wanted = label in suite.runs if suite.runs else bool(variant) or not suite.variants
+            if not wanted:
                 continue
             for seed in seeds if seeds is not None else suite.seeds:
                 table = read_preset(preset)
@@ -293,7 +297,7 @@ def report(
     baseline: str | None = None,
 ) -> dict[str, Any]:
     """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
-    value of ``metric`` whose first crossing is timed; ``baseline``: the label the paired
+    value of ``metric`` the runs are timed to, where they reach it and stay; ``baseline``: the label the paired
     comparisons over held-out prompts compare to, default the first)."""
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import (

@@ -35,7 +35,7 @@ SFT_VERSION = 3  # bump whenever a code change alters what a given config trains
 GENERIC_DEFAULTS: dict[str, Any] = {"steps": 400, "lr": 3e-3, "batch_size": 32}
 # Calibrated in docs/testbed.md (tiny reference, 8 samples at T=1 on the training prompts).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "arithmetic": {"steps": 2000, "lr": 3e-3, "batch_size": 32},
+    "arithmetic": {"steps": 2250, "lr": 3e-3, "batch_size": 32},
     "multihop": {"steps": 400, "lr": 3e-3, "batch_size": 32, "data_kwargs": {"hops": [2, 3]}},
 }
 

@@ -90,6 +90,18 @@ def test_plan_layers_and_directories(micro, tmp_path) -> None:
     assert specs[1].run_dir == tmp_path / "grpo+short" / "seed4"
 
 
+def test_runs_may_name_a_bare_preset_beside_its_variants(tmp_path) -> None:
+    suite = tmp_path / "s.toml"
+    suite.write_text(
+        'presets = ["grpo"]\nseeds = [0]\nruns = ["grpo", "grpo+fast"]\n'
+        "[variants.fast]\noptim = { lr = 1e-3 }\n"
+    )
+    specs = plan(load_suite(str(suite)), tmp_path)
+    assert [(s.label, s.config.optim.lr) for s in specs] == [("grpo", 3e-5), ("grpo+fast", 1e-3)]
+    suite.write_text('presets = ["grpo"]\nseeds = [0]\n[variants.fast]\noptim = { lr = 1e-3 }\n')
+    assert [s.label for s in plan(load_suite(str(suite)), tmp_path)] == ["grpo+fast"]
+
+
 def test_plan_fails_before_any_run_naming_the_run_and_field(micro, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"(?s)run grpo\+short seed 0: .*rollout\.n:"):
         plan(load_suite(str(micro)), tmp_path, overrides=["rollout.n=0"])

@@ -219,6 +219,33 @@ def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> 
 
 
 @pytest.mark.slow
+def test_the_report_pairs_runs_over_held_out_prompts(tmp_path) -> None:
+    from anchor_rl.bench.report import _paired_table, load_results
+
+    root = tmp_path / "suite"
+    runs = []
+    # two prompts; "a" gains on both in each seed, "b" on one: per prompt by hand
+    finals = {"a": [{"p0": 1, "p1": 1}, {"p0": 1, "p1": 1}], "b": [{"p0": 1, "p1": 0}] * 2}
+    for label, seeds in finals.items():
+        for seed, final in enumerate(seeds):
+            run_dir = root / label / f"seed{seed}"
+            run_dir.mkdir(parents=True)
+            records = _records([0.0, 0.5, 1.0])
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            (run_dir / "config.json").write_text(json.dumps({"task": "arithmetic", "seed": seed}))
+            evals = [{"step": 0, "test": {"k": 1, "correct": {"p0": 0, "p1": 0}}},
+                     {"step": 4, "test": {"k": 1, "correct": final}}]  # fmt: skip
+            (run_dir / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+            runs.append({"label": label, "seed": seed, "dir": str(run_dir),
+                         "figures": run_figures(records)})  # fmt: skip
+    write_summary(root, "pairs", runs, summarise(runs))
+    header, rows = _paired_table(load_results([root]).methods)
+    assert header[-1] == "vs `a` (final)"
+    assert rows[0] == ["a", "2", "+1.000 [+1.000, +1.000]", "–"]
+    assert rows[1][:2] == ["b", "2"] and rows[1][2].startswith("+0.500 [")
+    assert rows[1][3].startswith("-0.500 [")
+
+
 def test_a_training_run_directory_gets_its_own_report(tmp_path) -> None:
     from anchor_rl.cli import app
 

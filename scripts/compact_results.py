@@ -1,0 +1,84 @@
+"""Copy a finished bench suite into a compact tree that `anchor-rl report` still reads.
+
+Usage: ``python scripts/compact_results.py SUITE_DIR DEST_DIR``
+
+Keeps the suite's summary files and, per run, ``config.json``, ``summary.json``, the
+metrics every figure and curve of the report reads (the other per-step keys dropped) and
+the per-prompt held-out results of the first and last evaluation (what the paired table
+compares). Training-prompt per-prompt results and checkpoints are left out. A suite of
+another shape (``trl-pvpo``) keeps only its summary (``trl_pvpo.json`` holds every seed's
+figures); machine paths become the copy's path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+KEPT_PREFIXES = ("eval/",)
+KEPT_KEYS = {
+    "step", "reward/mean", "rollouts/cumulative", "rollouts/total", "tokens/cumulative",
+    "tokens/step", "time/elapsed", "time/step", "time/generate", "time/score", "time/update",
+    "advantage/std", "policy/entropy", "kl/ref",
+}  # fmt: skip
+SUITE_FILES = ("summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md")
+
+
+def compact_metrics(path: Path) -> str:
+    """The lines of a metrics.jsonl with only the keys the report reads."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            kept = {
+                k: v for k, v in record.items() if k in KEPT_KEYS or k.startswith(KEPT_PREFIXES)
+            }
+            lines.append(json.dumps(kept, separators=(",", ":")))
+    return "\n".join(lines) + "\n"
+
+
+def compact_evals(path: Path) -> str:
+    """The first and last evaluation of an evals.jsonl, held-out split only."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ends = records[:1] + records[-1:] if len(records) > 1 else records
+    return "".join(
+        json.dumps({"step": r["step"], "test": r["test"]}, separators=(",", ":")) + "\n"
+        for r in ends
+    )
+
+
+def copy_text(source: Path, dest: Path, root: Path, new_root: Path) -> None:
+    """Copy a text file with the suite's own directory renamed to its copy's (no machine
+    path in a committed file)."""
+    dest.write_text(source.read_text().replace(str(root), str(new_root)))
+
+
+def main(source: Path, dest: Path) -> None:
+    source, dest = source.resolve(), dest.resolve()
+    shown = Path(
+        dest.relative_to(Path.cwd().resolve())
+        if dest.is_relative_to(Path.cwd().resolve())
+        else dest.name
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in SUITE_FILES:
+        if (source / name).is_file():
+            copy_text(source / name, dest / name, source, shown)
+    runs = {p.parent for p in source.rglob("config.json")}  # runs of `anchor-rl train`
+    for run in sorted(runs):
+        out = dest / run.relative_to(source)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "summary.json"):
+            if (run / name).is_file():
+                copy_text(run / name, out / name, source, shown)
+        if (run / "metrics.jsonl").is_file():
+            (out / "metrics.jsonl").write_text(compact_metrics(run / "metrics.jsonl"))
+        if (run / "evals.jsonl").is_file():
+            (out / "evals.jsonl").write_text(compact_evals(run / "evals.jsonl"))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
