@@ -43,6 +43,11 @@ TASK_SETTINGS: dict[str, tuple[str, ...]] = {
 """Per-task extras: on multihop the paper's reward manager, its QA setting M = 5, and room for
 the longest 4-hop trace (176 tokens with the tool results)."""
 REPORT_MD, REPORT_PNG = "report.md", "report.png"
+GRPO_DIR = "grpo"
+"""The GRPO comparison run's directory inside the quickstart's."""
+MEASURED_S = {"sft": 274, "pvpo": 45, "grpo": 45}
+"""Seconds each phase took with the default settings on arithmetic, on the 2-core machine of
+docs/quickstart.md (SFT reference; PVPO presampling and training; the GRPO comparison)."""
 
 
 def quickstart_config(
@@ -60,9 +65,57 @@ def quickstart_config(
     )
 
 
-def run_quickstart(cfg: TrainConfig, out: Path) -> dict[str, Any]:
-    """SFT reference, presampling and group sampling, PVPO training, report; returns the
-    report's facts (also in ``OUT/report.md``) with the report paths."""
+def grpo_config(cfg: TrainConfig) -> TrainConfig:
+    """The comparison run: the ``grpo`` preset with the quickstart run's task, model,
+    prompts, steps, N, evaluation and seed, and PVPO's KL coefficient, so the advantage
+    (group mean and std instead of the static anchor) and group sampling are the only
+    differences."""
+    same = {
+        "task": cfg.task, "task_args": cfg.task_args, "model": cfg.model,
+        "train_prompts": cfg.train_prompts, "steps": cfg.steps, "time_limit": cfg.time_limit,
+        "seed": cfg.seed, "device": cfg.device, "rollout": cfg.rollout.model_dump(),
+        "eval": cfg.eval.model_dump(), "optim": cfg.optim.model_dump(),
+        "checkpoint": cfg.checkpoint.model_dump(), "log": cfg.log.model_dump(),
+        "kl": {"coef": cfg.kl.coef},
+    }  # fmt: skip
+
+    def leaves(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                out += leaves(value, f"{prefix}{key}.")
+            elif value is not None:
+                out.append(f"{prefix}{key}={json.dumps(value)}")
+        return out
+
+    return load_config("grpo", leaves(same))
+
+
+def expected_time(cfg: TrainConfig, compare: bool) -> str:
+    """What to expect before the quickstart starts: the measured time of the default run on
+    2 cores (SFT included when its reference is not cached yet), or that none was measured."""
+    from anchor_rl.models.sft import default_config, is_complete, sft_dir
+
+    if cfg != quickstart_config(cfg.task) or cfg.task != "arithmetic":
+        return "expected time: not measured for these settings"
+    sft = default_config(cfg.task, cfg.model.partition(":")[2])
+    cached = is_complete(sft_dir(sft), sft)
+    phases = {"sft": 0 if cached else MEASURED_S["sft"], "pvpo": MEASURED_S["pvpo"]}
+    phases["grpo"] = MEASURED_S["grpo"] if compare else 0
+    total = sum(phases.values())
+    sft_note = (
+        "reference cached" if cached else f"{phases['sft'] // 60} min of it the SFT reference"
+    )
+    return (
+        f"expected time: about {total / 60:.0f} min on 2 CPU cores ({sft_note}; measured on "
+        "the machine of docs/quickstart.md)"
+    )
+
+
+def run_quickstart(cfg: TrainConfig, out: Path, compare: bool = True) -> dict[str, Any]:
+    """SFT reference, presampling and group sampling, PVPO training, (with ``compare``) GRPO
+    at the same settings in ``OUT/grpo``, report; returns the report's facts (also in
+    ``OUT/report.md``) with the report paths."""
     from rich.console import Console
 
     from anchor_rl.models.sft import train_sft
@@ -71,23 +124,58 @@ def run_quickstart(cfg: TrainConfig, out: Path) -> dict[str, Any]:
 
     console = Console()
     load_task(cfg)  # a bad task fails before any work
+    gcfg = grpo_config(cfg) if compare else None
+    console.print(expected_time(cfg, compare))
     out = Path(out)
+    phases = 5 if compare else 4
     started = time.perf_counter()
     kind, _, size = cfg.model.partition(":")
     if kind == "sft":
-        console.rule("[bold]1/4 SFT reference")
+        console.rule(f"[bold]1/{phases} SFT reference")
         train_sft(cfg.task, size, task_kwargs=cfg.task_args or None, progress=cfg.log.progress)
     sft_s = time.perf_counter() - started
-    console.rule("[bold]2/4 presample the reference, group sampling")
+    console.rule(f"[bold]2/{phases} presample the reference, group sampling")
     run = start_run(cfg, out)
     setup_s = time.perf_counter() - started - sft_s
-    console.rule("[bold]3/4 PVPO training")
+    console.rule(f"[bold]3/{phases} PVPO training")
     train(run)
+    if gcfg is not None:
+        console.rule(f"[bold]4/{phases} GRPO at the same settings (the comparison)")
+        train(start_run(gcfg, out / GRPO_DIR))
     total_s = time.perf_counter() - started
-    console.rule("[bold]4/4 report")
+    console.rule(f"[bold]{phases}/{phases} report")
     facts = report_facts(out, cfg, sft_s, setup_s, total_s)
+    if gcfg is not None:
+        facts["comparison"] = comparison_facts(out, out / GRPO_DIR)
     md, png = write_report(out, facts)
     return {**facts, "report_md": md, "report_png": png}
+
+
+def comparison_facts(pvpo_dir: Path, grpo_dir: Path) -> dict[str, Any]:
+    """PVPO beside GRPO on the same held-out prompts: each run's accuracy before and after,
+    rollouts, and the paired bootstrap over prompts of each gain over the reference and of
+    PVPO's final accuracy minus GRPO's (one seed: the intervals are over prompts)."""
+    from anchor_rl.bench.summary import paired, prompt_accuracy
+    from anchor_rl.trainer.logging import read_evals, read_metrics
+
+    runs, per_prompt = {}, {}
+    for name, run_dir in (("pvpo", pvpo_dir), ("grpo", grpo_dir)):
+        records = read_metrics(run_dir)
+        evals = [r for r in records if "eval/accuracy" in r]
+        runs[name] = {
+            "before": evals[0]["eval/accuracy"],
+            "after": evals[-1]["eval/accuracy"],
+            "rollouts": records[-1].get("rollouts/total", records[-1]["rollouts/cumulative"]),
+            "seconds": records[-1]["time/elapsed"],
+        }
+        pair = prompt_accuracy(read_evals(run_dir))
+        if pair is None:
+            raise ValueError(f"{run_dir} has no per-prompt evaluation before and after training")
+        per_prompt[name] = [pair]
+    comparisons = paired(per_prompt, "grpo")
+    for name in runs:
+        runs[name]["gain"] = comparisons["gain"][name]
+    return {"runs": runs, "pvpo_minus_grpo": comparisons["vs_baseline"]["pvpo"]}
 
 
 def report_facts(
@@ -159,6 +247,47 @@ def write_report(out: Path, facts: Mapping[str, Any]) -> tuple[Path, Path]:
     return md, png
 
 
+def _interval(b: Mapping[str, Any]) -> str:
+    return f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
+
+
+def headline(comparison: Mapping[str, Any]) -> str:
+    """One sentence: PVPO's final held-out accuracy against GRPO's, and whether the paired
+    interval tells them apart."""
+    d = comparison["pvpo_minus_grpo"]
+    if d["low"] > 0:
+        verdict = "PVPO ended ahead of GRPO"
+    elif d["high"] < 0:
+        verdict = "PVPO ended behind GRPO"
+    else:
+        verdict = "PVPO and GRPO cannot be told apart"
+    return (
+        f"{verdict} on {d['prompts']} held-out prompts: PVPO minus GRPO {_interval(d)} "
+        "(mean [95% paired bootstrap over prompts]; one seed)"
+    )
+
+
+def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "## PVPO beside GRPO",
+        "",
+        headline(c) + ". Both runs start from the same reference and train the same steps on "
+        "the same prompts with the same N, learning rate and KL coefficient; GRPO's run is in "
+        f"`{GRPO_DIR}/`.",
+        "",
+        "| run | held-out before → after | gain over the reference [95% paired bootstrap] "
+        "| rollouts (presampling included) | seconds |",
+        "| --- | --- | --- | ---: | ---: |",
+    ]
+    for name, label in (("pvpo", "PVPO"), ("grpo", "GRPO")):
+        r = c["runs"][name]
+        lines.append(
+            f"| {label} | {r['before']:.3f} → {r['after']:.3f} | {_interval(r['gain'])} "
+            f"| {r['rollouts']:.0f} | {r['seconds']:.0f} |"
+        )
+    return [*lines, ""]
+
+
 def _markdown(f: Mapping[str, Any]) -> str:
     stopped = "" if f["steps"] == f["steps_asked"] else f" (time limit; {f['steps_asked']} asked)"
     lines = [
@@ -166,6 +295,9 @@ def _markdown(f: Mapping[str, Any]) -> str:
         "",
         f"Policy and reference `{f['model']}`; run directory `{f['run_dir']}` "
         f"(`anchor-rl train --resume {f['run_dir']} steps=N` continues it).",
+        "",
+        *(_comparison_lines(f["comparison"]) if f.get("comparison") else []),
+        "## PVPO's run",
         "",
         "| | |",
         "| --- | ---: |",
@@ -240,14 +372,24 @@ def quickstart(
         float | None,
         typer.Option("--time-limit", min=1.0, help="Stop training after this many seconds."),
     ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            help="Also train GRPO at the same settings and compare on held-out prompts.",
+        ),
+    ] = True,
 ) -> None:
     """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
-    held-out evaluation before and after, and a report (markdown and PNG)."""
+    held-out evaluation before and after, GRPO at the same settings beside it, and a
+    report (markdown and PNG)."""
     cfg = quickstart_config(task, steps, time_limit, overrides or [])
     run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run_quickstart(cfg, run_dir)
+    result = run_quickstart(cfg, run_dir, compare)
     typer.echo(
         f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
         f"in {result['total_s']:.0f} s"
     )
+    if "comparison" in result:
+        typer.echo(headline(result["comparison"]))
     typer.echo(f"report: {result['report_md']} (plot: {result['report_png']})")
