@@ -35,6 +35,24 @@ class Response:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
         self.policy.extend([logprobs is not None] * len(tokens))
 
+    def add_tool_result(
+        self,
+        turn: Sequence[int],
+        tokenizer: PreTrainedTokenizerBase,
+        tools: Mapping[str, Tool],
+        max_new_tokens: int,
+    ) -> None:
+        """Run the tool call that ends the policy tokens ``turn`` and append its result as
+        tool tokens, cut at ``max_new_tokens`` in all (then the response is truncated, done)."""
+        result = tokenizer.encode(
+            tool_result(tokenizer.decode(turn), tools), add_special_tokens=False
+        )
+        room = max_new_tokens - len(self.tokens)
+        self.extend(result[:room])
+        self.tool_calls += 1
+        if len(result) >= room:
+            self.truncated = self.done = True
+
 
 def tool_result(turn_text: str, tools: Mapping[str, Tool]) -> str:
     """The formatted result block for the tool call that ends ``turn_text``.
@@ -97,12 +115,5 @@ def run_agent(
             elif turn.stop not in close_tags or r.tool_calls >= params.max_turns:
                 r.done = True
             else:
-                result = tokenizer.encode(
-                    tool_result(tokenizer.decode(turn.tokens), tools), add_special_tokens=False
-                )
-                room = params.max_new_tokens - len(r.tokens)
-                r.extend(result[:room])
-                r.tool_calls += 1
-                if len(result) >= room:
-                    r.truncated = r.done = True
+                r.add_tool_result(turn.tokens, tokenizer, tools, params.max_new_tokens)
     return responses

@@ -46,7 +46,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.tokenizer import encode_prompt
-from anchor_rl.rollout.agent import Response, tool_result
+from anchor_rl.rollout.agent import Response
 from anchor_rl.rollout.engine import Engine, Request, pack, register_engine, request_seed
 from anchor_rl.rollout.sampling import EOS, StopSet
 from anchor_rl.rollout.types import SamplingParams
@@ -484,14 +484,7 @@ class HTTPEngine:
                 elif not ids or ended not in close_tags or r.tool_calls >= params.max_turns:
                     r.done = True
                 else:
-                    result = tok.encode(
-                        tool_result(tok.decode(ids), tools), add_special_tokens=False
-                    )
-                    room = params.max_new_tokens - len(r.tokens)
-                    r.extend(result[:room])
-                    r.tool_calls += 1
-                    if len(result) >= room:
-                        r.truncated = r.done = True
+                    r.add_tool_result(ids, tok, tools, params.max_new_tokens)
         return responses
 
     def _turn(

@@ -702,15 +702,7 @@ def completion_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> d
         choices.append(
             {"index": index, "text": text, "logprobs": logprobs, **_choice_common(turn, seed)}
         )
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": server.name,
-        "system_fingerprint": server.revision,
-        "choices": choices,
-        "usage": _usage(parsed, turns),
-    }
+    return _envelope(server, parsed, turns, "cmpl", "text_completion", choices)
 
 
 def chat_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> dict[str, Any]:
@@ -730,9 +722,21 @@ def chat_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> dict[st
         choices.append(
             {"index": index, "message": message, "logprobs": logprobs, **_choice_common(turn, seed)}
         )
+    return _envelope(server, parsed, turns, "chatcmpl", "chat.completion", choices)
+
+
+def _envelope(
+    server: ModelServer,
+    parsed: Parsed,
+    turns: list[Turn],
+    prefix: str,
+    kind: str,
+    choices: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """What every OpenAI answer wraps its choices in: id, object, time, model, usage."""
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": server.name,
         "system_fingerprint": server.revision,
