@@ -2,7 +2,8 @@
 
 Usage: ``python scripts/compact_results.py SUITE_DIR DEST_DIR``
 
-Keeps the suite's summary files and, per run, ``config.json``, ``summary.json``, the
+Keeps the suite's summary files and, per run, ``config.json``, ``summary.json``, PVPO's
+``pvpo.json`` and ``pvpo_filter.json`` (the anchor key the amortised cost groups by), the
 metrics every figure and curve of the report reads (the other per-step keys dropped) and
 the per-prompt held-out results of the first and last evaluation (what the paired table
 compares). Training-prompt per-prompt results and checkpoints are left out. A suite of
@@ -18,9 +19,10 @@ from pathlib import Path
 
 KEPT_PREFIXES = ("eval/",)
 KEPT_KEYS = {
-    "step", "reward/mean", "rollouts/cumulative", "rollouts/total", "tokens/cumulative",
+    "step", "reward/mean", "rollouts/cumulative", "rollouts/total", "rollouts/presample",
+    "rollouts/refresh", "rollouts/teacher", "tokens/cumulative",
     "tokens/step", "time/elapsed", "time/step", "time/generate", "time/score", "time/update",
-    "advantage/std", "policy/entropy", "kl/ref",
+    "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "v05/extra_rollouts",
 }  # fmt: skip
 SUITE_FILES = ("summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md")
 
@@ -69,7 +71,7 @@ def main(source: Path, dest: Path) -> None:
     for run in sorted(runs):
         out = dest / run.relative_to(source)
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "summary.json"):
+        for name in ("config.json", "summary.json", "pvpo.json", "pvpo_filter.json"):
             if (run / name).is_file():
                 copy_text(run / name, out / name, source, shown)
         if (run / "metrics.jsonl").is_file():

@@ -52,6 +52,9 @@ class FilterStats:
     without one, kept because ``keep_unsolved``. dropped_solved: acc 1.
     dropped_unsolved: acc 0 without a trajectory, dropped.
     teacher_samples: samples the teacher drew in this pass (cached outcomes cost nothing).
+    teacher_rollouts: the generations the teacher outcomes of the accuracy-0 prompts rest on,
+        cached ones included (a trajectory's ``tries``, ``teacher.tries`` for a failure; 0
+        for a teacher that generates nothing, such as the oracle): the cost to count.
     min_rollouts / max_rollouts: the range of M over the prompts' statistics.
     """
 
@@ -68,6 +71,7 @@ class FilterStats:
     teacher_samples: int
     min_rollouts: int
     max_rollouts: int
+    teacher_rollouts: int = 0
 
     @property
     def training(self) -> int:
@@ -233,6 +237,17 @@ def _ask_teacher(
     return outcomes, samples
 
 
+def _teacher_rollouts(
+    teacher: Teacher | None,
+    asked: Sequence[Record],
+    outcomes: Mapping[str, TeacherTrajectory | None],
+) -> int:
+    """Generations behind the teacher's outcomes on ``asked`` (see ``FilterStats.teacher_rollouts``)."""
+    if teacher is None or not teacher.generates:
+        return 0
+    return sum(t.tries if (t := outcomes.get(r.id)) is not None else teacher.tries for r in asked)
+
+
 def group_filter(
     records: Sequence[Record],
     stats: Mapping[str, AnchorStat],
@@ -295,6 +310,7 @@ def group_filter(
         teacher_samples=samples,
         min_rollouts=min(ns, default=0),
         max_rollouts=max(ns, default=0),
+        teacher_rollouts=_teacher_rollouts(teacher, zero, outcomes),
     )
     trajectories = {r.id: t for r in groups["with_teacher"] if (t := outcomes[r.id]) is not None}
     return FilterResult(

@@ -82,6 +82,9 @@ class Teacher(Protocol):
     fingerprint: identity of the model or source that writes the trajectories.
     settings: JSON-serialisable settings that change its output (sampling, tries).
     tries: most samples per prompt.
+    generates: whether its trajectories are model generations (counted as rollouts:
+        ``tries`` per prompt asked, fewer when it succeeds early); False for the oracle,
+        which writes the task's reference solution.
     policy_tokenizer: the tokenizer the trajectories' ids are in.
     """
 
@@ -89,6 +92,7 @@ class Teacher(Protocol):
     fingerprint: str
     settings: dict[str, Any]
     tries: int
+    generates: bool
     policy_tokenizer: PreTrainedTokenizerBase
 
     def solve(self, records: Sequence[Record]) -> list[TeacherTrajectory | None]:
@@ -232,6 +236,7 @@ class OracleTeacher:
 
     name = "oracle"
     tries = 1
+    generates = False
 
     def __init__(
         self,
@@ -308,6 +313,7 @@ class HFTeacher:
     """
 
     name = "hf"
+    generates = True
 
     def __init__(
         self,
@@ -413,6 +419,7 @@ class OpenAITeacher:
     """
 
     name = "http"
+    generates = True
 
     def __init__(
         self,

@@ -301,6 +301,7 @@ def report(
     comparisons over held-out prompts compare to, default the first)."""
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import (
+        amortise,
         paired,
         prompt_accuracy,
         run_figures,
@@ -319,6 +320,9 @@ def report(
         }
         for spec in specs
     ]
+    for run, spec in zip(runs, specs, strict=True):
+        run["anchor_key"] = _anchor_key(spec.run_dir)
+    amortise(runs)
     groups = summarise(runs)
     per_prompt: dict[str, list] = {}
     for spec in specs:
@@ -334,6 +338,12 @@ def report(
         by_label.setdefault(spec.label, []).append(records[spec.run_dir])
     plots = plot_suite(by_label, out, f"suite {name}")
     return {"summary_json": json_path, "summary_md": md_path, "plots": plots}
+
+
+def _anchor_key(run_dir: Path) -> str | None:
+    """The store key of a run's presampled anchors (``pvpo.json``), None for a run without."""
+    path = Path(run_dir) / "pvpo.json"
+    return json.loads(path.read_text())["key"] if path.is_file() else None
 
 
 def _merge(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:

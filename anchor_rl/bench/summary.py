@@ -22,18 +22,24 @@ FIGURES: dict[str, str] = {
     "train_start": "training-prompt accuracy before training (runs with eval.train_prompts)",
     "train_final": "training-prompt accuracy at the last evaluation",
     "reward_last": "mean training reward over the last fifth of the steps",
-    "rollouts": "responses generated (filtered ones included), PVPO's presampling and refresh included",
+    "policy_rollouts": "the policy's responses (filtered ones and V0.5's top-ups included)",
+    "rollouts": "per-run total: the policy's plus every rollout the method costs (PVPO's or V0.5's presampling, refreshes, a model teacher's generations, VAPO's value pretraining)",
+    "amortised_rollouts": "`rollouts` with the presampling split over the suite's runs that share its anchors (the same reference, settings and anchor seed)",
     "tokens": "policy tokens generated",
+    "presample_rollouts": "reference rollouts the anchors rest on (PVPO, V0.5's anchor prior)",
     "wall_s": "wall-clock seconds, evaluation included",
     "generate_s": "mean seconds per step generating",
     "score_s": "mean seconds per step scoring",
     "update_s": "mean seconds per step in log-probs, advantage and update",
+    "v05_weight_nonzero": "V0.5: share of prompt-steps whose fusion weight on the prior is non-zero (the prior is used at all)",
     "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy and stayed there",
     "target_wall_s": "wall-clock seconds to the evaluation from which accuracy stays at or above the target (seeds that reached it)",
     "target_rollouts": "rollouts (as `rollouts`) to that evaluation",
 }
 TRAIN = ("train_start", "train_final")
 """Figures of runs that evaluate training prompts; shown in the table only then."""
+V05 = ("v05_weight_nonzero",)
+"""Figures of V0.5 runs; shown in the table only then."""
 TARGET = ("target_reached", "target_wall_s", "target_rollouts")
 """Figures of a suite with ``target_accuracy``; shown in the table only then."""
 TABLE = (
@@ -41,7 +47,9 @@ TABLE = (
     "eval_final",
     "eval_gain",
     "reward_last",
+    "policy_rollouts",
     "rollouts",
+    "amortised_rollouts",
     "wall_s",
     "generate_s",
     "score_s",
@@ -101,8 +109,10 @@ def run_figures(
     last = steps[-1]
     out = {
         "reward_last": _mean(r["reward/mean"] for r in tail),
+        "policy_rollouts": last["rollouts/cumulative"],
         "rollouts": last.get("rollouts/total", last["rollouts/cumulative"]),
         "tokens": last["tokens/cumulative"],
+        "presample_rollouts": last.get("rollouts/presample", 0.0),
         "wall_s": last["time/elapsed"],
         "generate_s": _mean(r["time/generate"] for r in steps),
         "score_s": _mean(r["time/score"] for r in steps),
@@ -115,6 +125,9 @@ def run_figures(
         if "eval_start" in out:
             out["eval_gain"] = out["eval_final"] - out["eval_start"]
         out["eval_best"] = max(r["eval/accuracy"] for r in evals)
+    fused = [r["v05/weight_zero_frac"] for r in steps if "v05/weight_zero_frac" in r]
+    if fused:
+        out["v05_weight_nonzero"] = 1.0 - _mean(fused)
     train = [r for r in records if "eval/train_accuracy" in r]
     if train:
         if train[0]["step"] == 0:
@@ -123,6 +136,21 @@ def run_figures(
     if target is not None:
         out |= time_to_accuracy(records, target, metric)
     return out
+
+
+def amortise(runs: Sequence[dict[str, Any]]) -> None:
+    """Add ``amortised_rollouts`` to each run's ``figures``: its ``rollouts`` with its
+    ``presample_rollouts`` split evenly over the runs whose ``anchor_key`` is the same (runs
+    without one keep their ``rollouts``). Refreshes and teachers are counted in full."""
+    share: dict[str, int] = {}
+    for run in runs:
+        if run.get("anchor_key"):
+            share[run["anchor_key"]] = share.get(run["anchor_key"], 0) + 1
+    for run in runs:
+        f = run["figures"]
+        presampled = f.get("presample_rollouts", 0.0)
+        k = share.get(run.get("anchor_key") or "", 1)
+        f["amortised_rollouts"] = f["rollouts"] - presampled + presampled / k
 
 
 def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -252,7 +280,7 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
         "Mean ± half-width of the 95% Student-t interval over seeds (no interval with one seed).",
         "",
     ]
-    optional = (*TRAIN, *TARGET)
+    optional = (*TRAIN, *V05, *TARGET)
     columns = (*TABLE, *(k for k in optional if any(k in g["figures"] for g in groups)))
     lines += [
         "| run | seeds | " + " | ".join(columns) + " |",
@@ -264,7 +292,7 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
             f = g["figures"].get(key)
             digits = (
                 0
-                if key in {"rollouts", "tokens", "target_rollouts"}
+                if key.endswith("rollouts") or key == "tokens"
                 else 3
                 if key.startswith(("eval", "reward", "train"))
                 else 2

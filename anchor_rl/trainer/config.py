@@ -536,7 +536,7 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
                 _no_effect(
                     "pvpo",
                     names,
-                    "V0.5's anchor prior uses only pvpo.m, pvpo.store, "
+                    "V0.5's anchor prior uses only pvpo.m, pvpo.prompts, pvpo.store, "
                     "pvpo.presample_batch and pvpo.presample_seed; the rest belongs to "
                     "group sampling (filter.kind=group)",
                 )

@@ -4,7 +4,8 @@ The data side lives in :mod:`anchor_rl.anchors` (docs/pvpo.md); this module make
 method component of a run (:class:`PVPO`). Shapes: P prompts, B responses, T response tokens.
 
     set-up      presample_anchors  presample the reference M times per training prompt into the
-                                   anchor store (rows under the same key are reused)
+                                   anchor store (rows under the same key are reused): the
+                                   prompts a seeded walk needs for the run (pvpo.prompts)
                 PVPO.build         then, with filter.kind = "group", group sampling: drop
                                    acc = 1, keep 0 < acc < 1, ask the teacher for acc = 0
     each step   on_rollouts        every pvpo.refresh_every steps re-estimate the anchors; a
@@ -19,20 +20,24 @@ Rollout accounting: ``rollouts/presample`` and ``rollouts/refresh`` count the ro
 anchors in use rest on (the sum of ``n`` over their prompts), whether this process sampled
 them or found them in the store, so a run's totals do not depend on the cache and a
 resumed run counts exactly what an uninterrupted one does. What this process really
-sampled is in ``RUN_DIR/pvpo.json`` and the ``pvpo/refresh_sampled`` metric. Teacher
-samples are rollouts of neither the policy nor the reference and are reported apart.
+sampled is in ``RUN_DIR/pvpo.json`` and the ``pvpo/refresh_sampled`` metric. A model
+teacher's generations behind the trajectories (failed tries included) are
+``rollouts/teacher``; the oracle generates nothing and costs none. All three join
+``rollouts/total``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from torch import Tensor
@@ -154,8 +159,10 @@ class AnchorSet:
 
     key: the presample key (the reference, tokenizer, sampling settings and task).
     sampler: the reference's sampler (presampling and ``reference``-mode refreshes).
+    records: the prompts presampled (a walk's prompts, in walk order).
     stats: prompt id -> statistics of every presampled prompt.
     result: what the presampling call did (rollouts sampled now, prompts reused).
+    target: the walk's target (:func:`presample_set`); None when every prompt was presampled.
     """
 
     store: AnchorStore
@@ -166,43 +173,88 @@ class AnchorSet:
     stats: dict[str, AnchorStat]
     result: PresampleResult
     seconds: float
+    target: int | None = None
 
     @property
     def rollouts(self) -> int:
         """Reference rollouts the anchors rest on (the cost, cached rows included)."""
         return anchor_rollouts(self.stats, self.records)
 
+    def pool(self, kept: Sequence[Record]) -> list[Record]:
+        """The training prompts among ``kept`` (the records, or those group sampling kept, in
+        walk order): the first ``target`` of them, all without a target."""
+        return list(kept) if self.target is None else list(kept[: self.target])
+
     def means(self) -> dict[str, float]:
         """Prompt id -> the anchor ``V_sta`` (mean reward of the reference's rollouts)."""
         return {pid: stat.mean for pid, stat in self.stats.items()}
 
 
-def presample_cost_note(prompts: int, m: int, run_rollouts: int) -> str | None:
-    """A warning when presampling ``prompts`` x ``m`` reference rollouts costs more than the
-    run's own ``run_rollouts`` policy rollouts (None otherwise)."""
+def presample_cost_note(prompts: int, m: int, draws: int, run_rollouts: int) -> str | None:
+    """A warning when presampling ``prompts`` x ``m`` reference rollouts covers prompts the
+    run never draws (more than its ``draws``) and costs more than its ``run_rollouts``
+    policy rollouts (None otherwise)."""
     cost = prompts * m
-    if cost <= run_rollouts:
+    if prompts <= draws or cost <= run_rollouts:
         return None
     return (
         f"PVPO presamples {prompts:,} training prompts x M={m} = {cost:,} reference rollouts, "
-        f"{cost / max(run_rollouts, 1):.1f}x the {run_rollouts:,} policy rollouts of the run "
-        "(rows already in the store are reused); train_prompts=K presamples and trains on the "
-        "first K prompts only"
+        f"{cost / max(run_rollouts, 1):.1f}x the {run_rollouts:,} policy rollouts of the run, "
+        f"which draws at most {draws:,} prompts (rows already in the store are reused); "
+        "pvpo.prompts=auto presamples only the prompts the run draws"
     )
 
 
+def pool_target(cfg: TrainConfig, available: int) -> int | None:
+    """How many training prompts a run's presampling walk stops at (``pvpo.prompts``), or
+    None to presample all ``available`` ones."""
+    wanted = cfg.pvpo.prompts
+    if wanted == "all":
+        return None
+    if wanted == "auto":
+        wanted = cfg.steps * cfg.rollout.prompts_per_step
+    return wanted if wanted < available else None
+
+
+def trainable(cfg: TrainConfig) -> Callable[[AnchorStat], bool]:
+    """Whether group sampling may keep a prompt, judged on its presampled statistics alone:
+    every prompt without group sampling; otherwise not the accuracy-1 ones, and accuracy-0
+    ones only with a teacher or ``pvpo.keep_unsolved`` (a teacher that then fails a prompt
+    leaves the walk's pool one prompt short)."""
+    if cfg.filter.kind != "group":
+        return lambda stat: True
+    rescued = cfg.pvpo.teacher is not None or cfg.pvpo.keep_unsolved
+    return lambda stat: not stat.all_correct and (rescued or not stat.none_correct)
+
+
+def walk_order(records: Sequence[Record], seed: int) -> list[Record]:
+    """``records`` in the seeded order a presampling walk takes them."""
+    order = np.random.default_rng([seed, _WALK_STREAM]).permutation(len(records))
+    return [records[int(i)] for i in order]
+
+
 def presample_anchors(setup: Setup) -> AnchorSet:
-    """Presample the reference ``pvpo.m`` times on every training prompt (rows already in
-    ``pvpo.store`` under the same key are reused)."""
+    """Presample the reference ``pvpo.m`` times on the run's training prompts (rows already in
+    ``pvpo.store`` under the same key are reused): those ``pvpo.prompts`` names
+    (:func:`pool_target`), walked in :func:`walk_order`. A resumed run walks to the target
+    it started with (``RUN_DIR/pvpo.json``), so resuming with more ``steps`` draws the same
+    prompts for more epochs."""
     cfg, task = setup.cfg, setup.task
-    run_rollouts = cfg.steps * cfg.rollout.prompts_per_step * cfg.rollout.n
-    if note := presample_cost_note(len(setup.records), cfg.pvpo.m, run_rollouts):
-        _log.warning(note)
+    target = pool_target(cfg, len(setup.records))
+    if setup.resuming:
+        target = _started_with(setup.run_dir, target)
+    records = setup.records if target is None else walk_order(setup.records, anchor_seed(cfg))
+    if target is None:
+        draws = cfg.steps * cfg.rollout.prompts_per_step
+        note = presample_cost_note(len(records), cfg.pvpo.m, draws, draws * cfg.rollout.n)
+        if note:
+            _log.warning(note)
     reference = setup.get_reference()
     return presample_set(
         reference, setup.tokenizer, task, task_identity(cfg.task, task, cfg.task_args),
-        presample_params(cfg, task), setup.records, AnchorStore(store_path(cfg.pvpo)), cfg.pvpo,
-        cfg.engine, cfg.log.progress, seed=anchor_seed(cfg),
+        presample_params(cfg, task), records, AnchorStore(store_path(cfg.pvpo)), cfg.pvpo,
+        cfg.engine, cfg.log.progress, seed=anchor_seed(cfg), target=target,
+        keep=trainable(cfg),
     )  # fmt: skip
 
 
@@ -218,20 +270,71 @@ def presample_set(
     engine: tuple[str, Mapping[str, Any]] = ("hf", {}),
     progress: bool = True,
     seed: int = PRESAMPLE_SEED,
+    target: int | None = None,
+    keep: Callable[[AnchorStat], bool] = lambda stat: True,
 ) -> AnchorSet:
-    """Presample ``reference`` ``pc.m`` times on every record into ``store`` (rows already stored
+    """Presample ``reference`` ``pc.m`` times on ``records`` into ``store`` (rows already stored
     under the same key are reused), with ``params`` (:func:`presample_params`) and the anchor
     ``seed`` through the engine ``engine = (name, options)``. Needs no run: an integration
-    holds the result."""
+    holds the result.
+
+    target: None presamples every record. Otherwise the records are walked in order, in
+    chunks sized from the share that passed ``keep`` so far, until ``target`` of them pass
+    it or they run out; the set holds the records walked (its cost) and
+    :attr:`AnchorSet.pool` the first ``target`` that pass. The walk depends only on the
+    stored statistics, so a resumed run walks the same prompts and samples nothing.
+    """
     started = time.perf_counter()
     key = presample_key(reference, tokenizer, params, task_id, seed=seed)
     name, options = engine
     sampler = RolloutSampler(make_engine(name, reference, tokenizer, **options), task, params)
     records = list(records)
-    result = presample(records, sampler, store, key, pc.m, pc.presample_batch, seed, progress)
-    stats = store.get_anchors(key, [r.id for r in records])
+    walked, passed, results = 0, 0, []
+    stats: dict[str, AnchorStat] = {}
+    while walked < len(records) and (target is None or passed < target):
+        size = len(records) if target is None else _chunk(target - passed, passed, walked, pc)
+        chunk = records[walked : walked + size]
+        results.append(
+            presample(chunk, sampler, store, key, pc.m, pc.presample_batch, seed, progress)
+        )
+        new = store.get_anchors(key, [r.id for r in chunk])
+        stats |= new
+        passed += sum(keep(new[r.id]) for r in chunk)
+        walked += len(chunk)
+    records = records[:walked]
     return AnchorSet(
-        store, key, params, sampler, records, stats, result, time.perf_counter() - started
+        store, key, params, sampler, records, stats, _merged(key, results),
+        time.perf_counter() - started, target=target,
+    )  # fmt: skip
+
+
+def _started_with(run_dir: Path, target: int | None) -> int | None:
+    """The walk target a run recorded when it started (``target`` for a run that has none)."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return target
+    return json.loads(path.read_text()).get("walk_target", target)
+
+
+_WALK_STREAM = 7
+"""Second entry of the walk order's seed, apart from the other streams of the run's seed."""
+
+
+def _chunk(missing: int, passed: int, walked: int, pc: PVPOConfig) -> int:
+    """Prompts to presample next so that about ``missing`` more pass, at the pass rate so far
+    (at least a presampling batch; a rate under 5% counts as 5%)."""
+    rate = passed / walked if walked else 1.0
+    return max(pc.presample_batch, math.ceil(missing / max(rate, 0.05)))
+
+
+def _merged(key: AnchorKey, results: Sequence[PresampleResult]) -> PresampleResult:
+    """One :class:`PresampleResult` for a walk's presampling calls."""
+    return PresampleResult(
+        key=key.digest,
+        rollouts=sum(r.rollouts for r in results),
+        prompts_sampled=sum(r.prompts_sampled for r in results),
+        prompts_reused=sum(r.prompts_reused for r in results),
+        prompts_discarded=sum(r.prompts_discarded for r in results),
     )
 
 
@@ -291,12 +394,17 @@ class PVPO(Component):
         cfg = setup.cfg
         self.cfg, self.task, self.tokenizer = cfg, setup.task, setup.tokenizer
         self.policy, self.engine, self.set = setup.policy, setup.engine, anchor_set
-        self.records, self.trajectories = list(anchor_set.records), {}
+        kept, self.trajectories = list(anchor_set.records), {}
         filtered = None
         if cfg.filter.kind == "group":
             filtered = _group_sampling(setup, anchor_set)
-            self.records, self.trajectories = filtered.records, filtered.trajectories
+            kept = filtered.records
+        self.records = anchor_set.pool(kept)
+        if filtered is not None:
+            ids = {r.id for r in self.records}
+            self.trajectories = {k: t for k, t in filtered.trajectories.items() if k in ids}
         self.presample_rollouts, self.refresh_rollouts = anchor_set.rollouts, 0
+        self.teacher_rollouts = 0 if filtered is None else filtered.stats.teacher_rollouts
         self._use(anchor_set.key.digest)
         if not setup.resuming:
             write_presample_report(setup.run_dir, cfg, anchor_set, self.records, filtered)
@@ -305,8 +413,9 @@ class PVPO(Component):
             if filtered is not None and not setup.resuming:
                 filtered.print(console)
             result = anchor_set.result
+            walk = "" if anchor_set.target is None else f" (walked for {anchor_set.target})"
             console.print(
-                f"PVPO: {len(anchor_set.records)} prompts x M={cfg.pvpo.m} presampled in "
+                f"PVPO: {len(anchor_set.records)} prompts{walk} x M={cfg.pvpo.m} presampled in "
                 f"{anchor_set.seconds:.1f}s ({result.rollouts} rollouts sampled now, "
                 f"{result.prompts_reused} prompts reused) -> {len(self.records)} training "
                 f"prompts; store {anchor_set.store.path}"
@@ -388,6 +497,7 @@ class PVPO(Component):
         return {
             "rollouts/presample": float(self.presample_rollouts),
             "rollouts/refresh": float(self.refresh_rollouts),
+            "rollouts/teacher": float(self.teacher_rollouts),
         }
 
 
@@ -452,6 +562,8 @@ def write_presample_report(
         "teacher": cfg.pvpo.teacher if filtered is not None else None,
         "teacher_trajectories": 0 if filtered is None else len(filtered.trajectories),
         "teacher_samples_now": 0 if filtered is None else filtered.stats.teacher_samples,
+        "teacher_rollouts": 0 if filtered is None else filtered.stats.teacher_rollouts,
+        "walk_target": anchor_set.target,
     }
     (Path(run_dir) / RUN_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     if filtered is not None:

@@ -25,6 +25,13 @@ class PVPOConfig(BaseModel):
     """M: reference rollouts per training prompt, sampled once before training with the
     training rollout settings (paper: 5 for QA, 16 for math). Their mean reward is the
     prompt's static anchor V_sta; their accuracy drives group sampling."""
+    prompts: int | Literal["auto", "all"] = "auto"
+    """Which training prompts are presampled and trained on. `auto`: walk a seeded
+    permutation of the training prompts (seed: the anchor seed), presampling as it goes,
+    until group sampling would keep `steps x rollout.prompts_per_step` of them (each drawn
+    once) or the prompts run out; N: until it would keep N; `all`: every training prompt
+    (`train_prompts` limits them). Presampling costs M rollouts per prompt walked, kept or
+    not, so `all` on a large split costs far more than the run's own rollouts."""
     store: str | None = None
     """Anchor store (SQLite file). None: $ANCHOR_RL_CACHE/anchors.db, shared by all runs; rows
     are keyed by the reference's weights, tokenizer, sampling settings and task, so a run
@@ -56,6 +63,13 @@ class PVPOConfig(BaseModel):
     refresh_mode: Literal["reference", "policy"] = "reference"
     """What a refresh samples: `reference` the original reference again, `policy` a snapshot of
     the current policy (the paper does not say which)."""
+
+    @field_validator("prompts")
+    @classmethod
+    def _positive_prompts(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"pvpo.prompts must be >= 1, `auto` or `all`, got {value}")
+        return value
 
     @field_validator("teacher")
     @classmethod

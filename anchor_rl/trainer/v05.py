@@ -46,7 +46,7 @@ from anchor_rl.algos import v05 as v05_math
 from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.rollout.engine import Engine
-from anchor_rl.tasks.base import Task
+from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import (
     Scored,
     collect_metrics,
@@ -338,8 +338,8 @@ class V05(Component):
     def __init__(self, setup: Setup, pvpo: PVPO | None = None) -> None:
         """The ``anchor`` base takes the anchors of ``pvpo`` when the run has that component,
         and otherwise presamples them the way PVPO does (``pvpo.m`` rollouts of the
-        reference per training prompt, rows reused from ``pvpo.store``; their cost is this
-        component's ``rollouts/presample``)."""
+        reference on the prompts ``pvpo.prompts`` names, rows reused from ``pvpo.store``;
+        their cost is this component's ``rollouts/presample``) and trains on those."""
         cfg = setup.cfg
         self.cfg, self.task, self.policy = cfg, setup.task, setup.policy
         self.engine = setup.engine
@@ -352,11 +352,15 @@ class V05(Component):
                 self.anchors = {pid: stat.mean for pid, stat in pvpo.anchors.items()}
             else:
                 anchor_set = presample_anchors(setup)
+                self.records = anchor_set.pool(anchor_set.records)
                 if not setup.resuming:
                     write_presample_report(setup.run_dir, cfg, anchor_set, self.records, None)
                 self.anchors = anchor_set.means()
                 self.presample_rollouts = anchor_set.rollouts
         self.prior = build_prior(cfg.v05, self.anchors)
+
+    def training_records(self, records: list[Record]) -> list[Record]:
+        return self.records
 
     def on_rollouts(self, step: Step) -> None:
         """Prior -> top-up rounds -> fusion -> prior update, on the kept groups.

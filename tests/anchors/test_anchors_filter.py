@@ -45,6 +45,7 @@ class FakeTeacher:
     fingerprint = "fake-teacher"
     settings: dict = {}
     tries = 3
+    generates = True
     policy_tokenizer = None
 
     def __init__(self, solvable: set[str]) -> None:
@@ -94,6 +95,7 @@ def test_classification_on_hand_stats():
         4,
     )
     assert s.teacher_samples == 2 + 3 + 3  # d solved at try 2, c and g failed all 3
+    assert s.teacher_rollouts == s.teacher_samples  # nothing was cached
     assert (s.min_rollouts, s.max_rollouts) == (4, 8)
     f = s.fractions()
     assert (f["acc_zero"], f["acc_mixed"], f["acc_one"]) == (3 / 8, 3 / 8, 2 / 8)
@@ -109,6 +111,7 @@ def test_keep_unsolved_and_no_teacher():
     )
     assert ids(res.records) == ["b", "c", "d", "e", "g", "h"]
     assert res.stats.teacher is None and res.stats.teacher_samples == 0
+    assert res.stats.teacher_rollouts == 0
     res = group_filter(recs(), stats(), progress=False)
     assert ids(res.dropped_unsolved) == ["c", "d", "g"] and ids(res.records) == ["b", "e", "h"]
 
@@ -123,6 +126,8 @@ def test_teacher_outcomes_are_cached_in_the_store(tmp_path):
         second = FakeTeacher(set())  # would fail everything, but is never asked
         res2 = group_filter(recs(), stats(), teacher=second, store=store, key=KEY, progress=False)
         assert second.asked == [] and res2.stats.teacher_samples == 0
+        # the cost the cached outcomes rest on: c solved at try 2, d and g failed 3 times
+        assert res2.stats.teacher_rollouts == res1.stats.teacher_rollouts == 2 + 3 + 3
         assert ids(res2.with_teacher) == ids(res1.with_teacher) == ["c"]
         assert ids(res2.dropped_unsolved) == ["d", "g"]  # failures are remembered too
         assert torch.equal(res2.trajectories["c"].logprobs, torch.tensor([-0.5, -0.1]))
@@ -166,3 +171,12 @@ def test_statistics_json_and_table(tmp_path):
         "(fake)",
     ):
         assert needle in text, needle
+
+
+def test_a_teacher_that_generates_nothing_costs_no_rollouts():
+    class Writer(FakeTeacher):
+        generates = False  # like the oracle: writes a known solution
+
+    res = group_filter(recs(), stats(), teacher=Writer({"c", "d"}), progress=False)
+    assert ids(res.with_teacher) == ["c", "d"]
+    assert res.stats.teacher_samples == 2 + 2 + 3 and res.stats.teacher_rollouts == 0

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
 from anchor_rl.bench.summary import (
+    amortise,
     first_sustained,
     markdown_table,
     run_figures,
@@ -186,6 +187,30 @@ def test_run_figures_by_hand() -> None:
     assert f["reward_last"] == 0.8  # last fifth of 5 steps: step 5 only
     assert (f["rollouts"], f["tokens"], f["wall_s"]) == (20.0, 50.0, 6.0)
     assert f["generate_s"] == 3.0 and f["score_s"] == pytest.approx(0.1)
+    assert f["policy_rollouts"] == 20.0 and f["presample_rollouts"] == 0.0
+    assert "v05_weight_nonzero" not in f
+    # a PVPO / V0.5 run: the per-run total has the presampling, the policy's count does not
+    for i, r in enumerate(records[1:], 1):
+        r |= {"rollouts/presample": 64.0, "rollouts/total": 64.0 + 4.0 * i}
+        r["v05/weight_zero_frac"] = 0.25 if i % 2 else 0.75
+    f = run_figures(records)
+    assert (f["policy_rollouts"], f["rollouts"], f["presample_rollouts"]) == (20.0, 84.0, 64.0)
+    assert f["v05_weight_nonzero"] == pytest.approx(1 - (3 * 0.25 + 2 * 0.75) / 5)
+
+
+def test_amortise_splits_the_presampling_over_the_runs_sharing_the_anchors() -> None:
+    def run(key, presample, total):
+        return {"anchor_key": key, "figures": {"rollouts": total, "presample_rollouts": presample}}
+
+    runs = [run("a", 4096.0, 5696.0), run("a", 4096.0, 5696.0), run("b", 4096.0, 9792.0),
+            run(None, 0.0, 6400.0)]  # fmt: skip
+    amortise(runs)
+    assert [r["figures"]["amortised_rollouts"] for r in runs] == [
+        1600.0 + 2048.0,
+        1600.0 + 2048.0,
+        9792.0,
+        6400.0,
+    ]
 
 
 def test_a_target_counts_only_where_the_curve_stays_at_or_above_it() -> None:

@@ -28,8 +28,10 @@ from anchor_rl.trainer.loop import train, train_step
 from anchor_rl.trainer.pvpo import (
     batch_anchors,
     inject_teachers,
+    pool_target,
     presample_cost_note,
     reference_key,
+    walk_order,
 )
 from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs
@@ -116,6 +118,19 @@ def test_inject_teachers_replaces_the_last_rollout_of_the_group_by_hand(parity) 
     assert out.batch.loss_mask[3].tolist() == [1.0, 1.0, 0.0]
     assert out.batch.prompt_ids[3] == [1, 2]
     assert inject_teachers(scored, {}, parity, load_config("pvpo")) is scored
+
+
+def _count_sampled(monkeypatch) -> list[int]:
+    """From now on, the rollouts of each reference-sampler call, appended to the list returned."""
+    calls: list[int] = []
+    real_call = RolloutSampler.__call__
+
+    def counting(self, records, n, first, seed):
+        calls.append(len(records) * n)
+        return real_call(self, records, n, first, seed)
+
+    monkeypatch.setattr(RolloutSampler, "__call__", counting)
+    return calls
 
 
 def _overrides(tiny, tmp_path, *extra: str) -> list[str]:
@@ -232,6 +247,7 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
     parity, tiny, tmp_path, monkeypatch
 ) -> None:
     extra = [
+        "pvpo.prompts=4",  # a walk of the 8 prompts; the resumed run walks to the same 4
         "pvpo.refresh_every=1",
         "pvpo.refresh_mode=policy",
         "checkpoint.every=1",
@@ -246,14 +262,7 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
 
     straight = train(start_run(config("a", 3), tmp_path / "straight"))
     half = train(start_run(config("b", 1), tmp_path / "half"))
-    calls = []
-    real_call = RolloutSampler.__call__
-
-    def counting(self, records, n, first, seed):
-        calls.append(len(records) * n)
-        return real_call(self, records, n, first, seed)
-
-    monkeypatch.setattr(RolloutSampler, "__call__", counting)
+    calls = _count_sampled(monkeypatch)
     resumed = resume_run(half.run_dir, {"steps": 3})
     assert calls == []  # presampling and the teacher found everything in the store
     saved = torch.load(half.run_dir / "checkpoints" / "step_000001" / "pvpo.pt", weights_only=True)
@@ -303,13 +312,45 @@ def test_each_seed_draws_its_own_anchors_unless_presample_seed_is_set(
 
 
 def test_a_presampling_dearer_than_the_run_is_announced() -> None:
-    assert presample_cost_note(800, 8, 6400) is None  # 6,400 = the run's own rollouts
-    note = presample_cost_note(30_000, 8, 6400)
+    assert presample_cost_note(800, 8, 800, 6400) is None  # 6,400 = the run's own rollouts
+    assert presample_cost_note(800, 8, 800, 1600) is None  # dearer, but only prompts it draws
+    note = presample_cost_note(30_000, 8, 800, 6400)
     assert note is not None and note.startswith(
         "PVPO presamples 30,000 training prompts x M=8 = 240,000 reference rollouts, 37.5x "
-        "the 6,400 policy rollouts"
+        "the 6,400 policy rollouts of the run, which draws at most 800 prompts"
     )
-    assert "train_prompts=K" in note
+    assert "pvpo.prompts=auto" in note
+
+
+def test_the_walk_target_comes_from_pvpo_prompts() -> None:
+    def target(*overrides: str, available: int = 30_000):
+        return pool_target(load_config("pvpo", ["steps=100", *overrides]), available)
+
+    assert target() == 100 * 8  # auto: each prompt the run draws, once
+    assert target("pvpo.prompts=300") == 300
+    assert target("pvpo.prompts=all") is None
+    assert target(available=500) is None  # fewer prompts than the run draws: all of them
+    with pytest.raises(ConfigError, match="pvpo.prompts"):
+        load_config("pvpo", ["pvpo.prompts=0"])
+
+
+def test_the_walk_presamples_only_the_prompts_the_run_draws(
+    parity, tiny, tmp_path, monkeypatch
+) -> None:
+    calls = _count_sampled(monkeypatch)
+    # 1 step x 2 prompts: the walk stops once group sampling would keep 2 prompts
+    cfg = load_config("pvpo", _overrides(tiny, tmp_path, "steps=1", "pvpo.presample_batch=1"))
+    run = start_run(cfg, tmp_path / "run")
+    pvpo = run.components["pvpo"]
+    walked = [r.id for r in pvpo.set.records]
+    order = [r.id for r in walk_order(parity.records("train"), cfg.seed)]
+    assert walked == order[: len(walked)] and len(walked) < len(order)
+    passing = [p for p in walked if not pvpo.set.stats[p].all_correct]  # the oracle solves acc 0
+    assert [r.id for r in pvpo.records] == [r.id for r in run.sampler.records] == passing[:2]
+    assert len(passing) >= 2
+    assert sum(calls) == 2 * len(walked) == pvpo.presample_rollouts  # M = 2 per walked prompt
+    assert json.loads((run.run_dir / "pvpo.json").read_text())["walk_target"] == 2
+    assert set(pvpo.trajectories) <= set(passing)
 
 
 def test_pvpo_config_errors_name_the_field() -> None:

@@ -183,7 +183,7 @@ REFUSED = [
     ("`v05.probe_every` without V0.5", "grpo", ["v05.probe_every=5"], "v05.probe_every has no effect"),
     ("`pvpo.*` without anchors", "grpo", ["pvpo.m=4"], "pvpo.m has no effect: the run presamples no anchors"),
     ("group-sampling `pvpo.*` with only V0.5's anchor prior", "v05", ["pvpo.teacher=none"],
-     "uses only pvpo.m, pvpo.store, pvpo.presample_batch and pvpo.presample_seed"),
+     "uses only pvpo.m, pvpo.prompts, pvpo.store, pvpo.presample_batch and pvpo.presample_seed"),
     ("V0.5's anchor prior with `pvpo.refresh_every`", "v05", ["pvpo.refresh_every=10"], "set pvpo.refresh_every=0"),
     ("`rollout.n=1` with a group baseline", "grpo", ["rollout.n=1"], "every advantage is 0"),
     ("`filter.kind=dynamic` with a per-prompt baseline", "pvpo", ["filter.kind=dynamic"],

@@ -58,7 +58,8 @@ def test_v05_preset_one_step_end_to_end(parity, v05_tiny, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_resume_restores_the_prior_exactly(parity, v05_tiny, tmp_path) -> None:
-    overrides = [*v05_tiny, "optim.lr=1e-2", "checkpoint.every=2", "eval.every=0"]
+    # pvpo.prompts fixed: the anchor prior's walk would otherwise stop at each run's draws
+    overrides = [*v05_tiny, "optim.lr=1e-2", "checkpoint.every=2", "eval.every=0", "pvpo.prompts=4"]
     straight = train(start_run(load_config("v05", [*overrides, "steps=4"]), tmp_path / "a"))
     half = train(start_run(load_config("v05", [*overrides, "steps=2"]), tmp_path / "b"))
     resumed = train(resume_run(half.run_dir, {"steps": 4}))

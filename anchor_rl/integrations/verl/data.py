@@ -174,6 +174,7 @@ class FieldTeacher:
 
     name = "field"
     tries = 1
+    generates = False
 
     def __init__(self, path: str, tokenizer: PreTrainedTokenizerBase) -> None:
         self.path, self.policy_tokenizer = path, tokenizer
