@@ -23,6 +23,7 @@ KEPT_KEYS = {
     "rollouts/refresh", "rollouts/teacher", "tokens/cumulative",
     "tokens/step", "time/elapsed", "time/step", "time/generate", "time/score", "time/update",
     "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "v05/extra_rollouts",
+    "pvpo/teacher_logp", "pvpo/teacher_rows",
 }  # fmt: skip
 SUITE_FILES = ("summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md")
 

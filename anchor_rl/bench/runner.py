@@ -36,6 +36,7 @@ from their checkpoint, so re-running a suite command continues it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -257,6 +258,10 @@ def _check_same_run(spec: RunSpec, stored: dict[str, Any]) -> None:
         sections = {k.rstrip(".") for k in RESUMABLE_KEYS}
         return {k: v for k, v in table.items() if k not in sections}
 
+    # A field added since the run started reads as its default; a field since removed or
+    # renamed fails validation and is compared as stored, so the configs differ.
+    with contextlib.suppress(ValueError):
+        stored = TrainConfig.model_validate(stored).model_dump(mode="json")
     if learning(stored) != learning(spec.config.model_dump(mode="json")):
         raise ConfigError(
             f"{spec.run_dir} holds a run with a different config; pass another --out or delete it"
@@ -302,6 +307,7 @@ def report(
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import (
         amortise,
+        class_accuracy,
         paired,
         prompt_accuracy,
         run_figures,
@@ -323,11 +329,13 @@ def report(
     for run, spec in zip(runs, specs, strict=True):
         run["anchor_key"] = _anchor_key(spec.run_dir)
     amortise(runs)
-    groups = summarise(runs)
     per_prompt: dict[str, list] = {}
-    for spec in specs:
+    for run, spec in zip(runs, specs, strict=True):
         pair = prompt_accuracy(read_evals(spec.run_dir))
         per_prompt.setdefault(spec.label, []).extend([pair] if pair else [])
+        if pair:
+            run["figures"] |= class_accuracy(*pair)
+    groups = summarise(runs)
     labels = list(per_prompt)
     if baseline is not None and baseline not in labels:
         raise ConfigError(f"suite {name!r}: baseline {baseline!r} is not among its runs {labels}")

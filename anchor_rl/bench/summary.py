@@ -31,6 +31,8 @@ FIGURES: dict[str, str] = {
     "generate_s": "mean seconds per step generating",
     "score_s": "mean seconds per step scoring",
     "update_s": "mean seconds per step in log-probs, advantage and update",
+    "eval_fixed": "held-out accuracy at the last evaluation on the prompts the reference never solved at step 0 (its accuracy-0 class under the evaluation's k)",
+    "eval_kept": "held-out accuracy at the last evaluation on the prompts the reference always solved at step 0 (its accuracy-1 class)",
     "v05_weight_nonzero": "V0.5: share of prompt-steps whose fusion weight on the prior is non-zero (the prior is used at all)",
     "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy and stayed there",
     "target_wall_s": "wall-clock seconds to the evaluation from which accuracy stays at or above the target (seeds that reached it)",
@@ -38,6 +40,8 @@ FIGURES: dict[str, str] = {
 }
 TRAIN = ("train_start", "train_final")
 """Figures of runs that evaluate training prompts; shown in the table only then."""
+CLASSES = ("eval_fixed", "eval_kept")
+"""Figures of runs with per-prompt held-out results (evals.jsonl); shown in the table then."""
 V05 = ("v05_weight_nonzero",)
 """Figures of V0.5 runs; shown in the table only then."""
 TARGET = ("target_reached", "target_wall_s", "target_rollouts")
@@ -52,7 +56,6 @@ TABLE = (
     "amortised_rollouts",
     "wall_s",
     "generate_s",
-    "score_s",
     "update_s",
 )
 
@@ -184,6 +187,17 @@ def prompt_accuracy(
     return accuracy(by_step[0]), accuracy(by_step[max(by_step)])
 
 
+def class_accuracy(start: Mapping[str, float], final: Mapping[str, float]) -> dict[str, float]:
+    """``eval_fixed`` / ``eval_kept``: the mean ``final`` accuracy over the prompts whose
+    ``start`` accuracy is 0 / 1 (a class without prompts is left out)."""
+    out = {}
+    for name, value in (("eval_fixed", 0.0), ("eval_kept", 1.0)):
+        ids = [p for p, acc in start.items() if acc == value and p in final]
+        if ids:
+            out[name] = sum(final[p] for p in ids) / len(ids)
+    return out
+
+
 def paired(
     runs: Mapping[str, Sequence[tuple[dict[str, float], dict[str, float]]]],
     baseline: str | None = None,
@@ -280,7 +294,7 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
         "Mean ± half-width of the 95% Student-t interval over seeds (no interval with one seed).",
         "",
     ]
-    optional = (*TRAIN, *V05, *TARGET)
+    optional = (*CLASSES, *TRAIN, *V05, *TARGET)
     columns = (*TABLE, *(k for k in optional if any(k in g["figures"] for g in groups)))
     lines += [
         "| run | seeds | " + " | ".join(columns) + " |",

@@ -32,7 +32,7 @@ def base_inputs(
     rewards: Tensor,
     index: Tensor,
     mask: Tensor,
-    logp: Tensor,
+    logp: Tensor | None,
     ref_logp: Tensor | None,
 ) -> dict[str, Any]:
     """The estimator inputs the loop supplies, with the in-reward KL penalty folded in.
@@ -42,7 +42,7 @@ def base_inputs(
         index: LongTensor[B], group ids.
         mask: FloatTensor[B, T], the policy tokens that enter the loss.
         logp, ref_logp: FloatTensor[B, T] under the sampling and reference policies;
-            ``ref_logp`` is needed only when ``kl.in_reward`` and ``kl.coef > 0``.
+            needed only when ``kl.in_reward`` and ``kl.coef > 0`` (else they may be None).
 
     Returns ``rewards``, ``index``, ``mask``, ``token_rewards`` (the outcome on the last
     policy token, plus ``dense_rewards`` when present), ``gamma`` and, with an in-reward
@@ -52,8 +52,8 @@ def base_inputs(
     token_level = get_estimator(cfg.advantage.estimator).token_level
     dense = None
     if coef > 0:
-        if ref_logp is None:
-            raise ValueError("kl.in_reward with kl.coef > 0 needs reference log-probs")
+        if ref_logp is None or logp is None:
+            raise ValueError("kl.in_reward with kl.coef > 0 needs policy and reference log-probs")
         kl_t = kl_estimate(logp, ref_logp, cfg.kl.kind) * mask
         if token_level:
             dense = -coef * kl_t

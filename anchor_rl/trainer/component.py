@@ -119,6 +119,9 @@ class Component:
     """
 
     name: str = "component"
+    needs_logp: bool = False
+    """Whether a hook before the update reads ``step.logp`` / ``step.old_logp`` (then the
+    loop computes them in a separate pass; see ``optim.rescore``)."""
 
     def training_records(self, records: list[Record]) -> list[Record]:
         """The prompts the run trains on, given the ones it would train on without this

@@ -241,6 +241,13 @@ class OptimConfig(_Section):
     """Optimizer steps per epoch: the batch is split into this many mini-batches."""
     micro_batch_size: int | None = Field(None, gt=0)
     """Responses per forward/backward (gradient accumulation); None: a whole mini-batch."""
+    rescore: Literal["auto", "always"] = "auto"
+    """The no-grad pass that recomputes the sampling policy's log-probs before the update.
+    `auto` skips it where the update's own forward gives the same numbers: one optimiser
+    step per batch (epochs = mini_batches = 1), dropout off, no KL in the reward, one
+    learner, and nothing reading the log-probs before the update (PVPO's teacher rows);
+    the ratio's denominator, the entropy and the KL metric then come from that forward.
+    `always` keeps the separate pass."""
 
 
 class EvalConfig(_Section):

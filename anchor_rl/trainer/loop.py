@@ -7,7 +7,9 @@ One step::
     3 filter     collect.collect         dynamic sampling: drop all-equal groups, resample
                  component.on_rollouts   each method component in turn: V0.5's top-ups and
                                          fused baseline, PVPO's refresh and teacher rows
-    4 log-probs  update.score_logprobs   old (sampling) policy, reference when KL is on
+    4 log-probs  update.score_logprobs   old (sampling) policy, reference when KL is on (the
+                                         first is skipped where the update's forward gives it:
+                                         single_pass, optim.rescore)
     5 advantage  advantage.base_inputs + component.advantage_inputs  -> the estimator, by name
                  component.on_advantages the critic's returns, whitening and update
     6 update     update.ppo_update       epochs x mini-batches x micro-batches, AdamW
@@ -58,14 +60,18 @@ def train_step(run: Run) -> dict[str, float]:
     if len(scored):  # dynamic sampling can end a step with no group kept: nothing to learn from
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)
+        single = single_pass(run, step)
         with timer("update"):
             # 4: log-probs of the policy that sampled (recomputed), the behaviour log-probs of
             # the ratio (the same, except off-policy rows such as PVPO's teacher trajectories,
             # which keep the log-probs they came with) and the reference's. The KL terms and
-            # the entropy are the policy's own on every row.
-            logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
-            step.logp = logp
-            step.old_logp = old_logp = behaviour_logprobs(logp, batch, scored.off_policy)
+            # the entropy are the policy's own on every row. In a single pass the update's
+            # own forward supplies the first two (optim.rescore).
+            logp = entropy = old_logp = None
+            if not single:
+                logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
+                step.logp = logp
+                step.old_logp = old_logp = behaviour_logprobs(logp, batch, scored.off_policy)
             ref_logp = None if run.ref is None else score_logprobs(run.ref, batch, cfg)[0]
             step.ref_logp = ref_logp
             # 5: the estimator on the loop's inputs and the components' (anchor, baseline,
@@ -85,11 +91,16 @@ def train_step(run: Run) -> dict[str, float]:
                     batch, mask, old_logp, ref_logp, adv, scored.correct, schedule
                 )
             else:
+                seen: dict = {}
                 metrics |= ppo_update(
                     run.policy, run.optimizer, run.scheduler, batch, mask,
-                    old_logp, ref_logp, adv, scored.correct, cfg, run.generator,
+                    old_logp, ref_logp, adv, scored.correct, cfg, run.generator, seen=seen,
                 )  # fmt: skip
+                if single:
+                    logp, entropy = seen["logp"], seen["entropy"]
             run.engine.sync_weights(run.policy.state_dict())  # the next rollouts' weights
+        assert logp is not None and entropy is not None
+        metrics["update/single_pass"] = float(single)
         metrics |= advantage_metrics(adv, mask)
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
         if ref_logp is not None:
@@ -97,6 +108,24 @@ def train_step(run: Run) -> dict[str, float]:
     metrics |= counters(run)
     metrics |= {f"time/{name}": timer.seconds[name] for name in ("generate", "score", "update")}
     return metrics
+
+
+def single_pass(run: Run, step: Step) -> bool:
+    """Whether this step's update may skip the separate re-scoring pass (``optim.rescore``):
+    one optimiser step on the whole batch, dropout off, no KL in the reward, one learner,
+    no off-policy rows, and no component reading the log-probs before the update."""
+    cfg = run.cfg
+    oc = cfg.optim
+    return (
+        oc.rescore == "auto"
+        and oc.epochs == 1
+        and oc.mini_batches == 1
+        and cfg.disable_dropout
+        and not (cfg.kl.in_reward and cfg.kl.coef > 0)
+        and cfg.cluster.learners == 1
+        and not bool(step.scored.off_policy.any())
+        and not any(c.needs_logp for c in run.components.values())
+    )
 
 
 def train(run: Run) -> Run:

@@ -405,6 +405,7 @@ class PVPO(Component):
             self.trajectories = {k: t for k, t in filtered.trajectories.items() if k in ids}
         self.presample_rollouts, self.refresh_rollouts = anchor_set.rollouts, 0
         self.teacher_rollouts = 0 if filtered is None else filtered.stats.teacher_rollouts
+        self.needs_logp = bool(self.trajectories)  # the teacher-token metrics read step.logp
         self._use(anchor_set.key.digest)
         if not setup.resuming:
             write_presample_report(setup.run_dir, cfg, anchor_set, self.records, filtered)
@@ -452,6 +453,19 @@ class PVPO(Component):
 
     def advantage_inputs(self, step: Step) -> dict[str, Any]:
         return {"anchor": self.batch_anchors(step.scored)}
+
+    def on_advantages(self, step: Step) -> None:
+        """``pvpo/teacher_logp``: the policy's mean log-prob per teacher token before this
+        step's update (how far it has learned the teacher's tokens), and
+        ``pvpo/teacher_behaviour_logp``, the mean log pi_gt the ratio is taken against."""
+        rows = step.scored.off_policy
+        if step.logp is None or step.mask is None or not bool(rows.any()):
+            return
+        mask = step.mask[rows]
+        tokens = mask.sum().clamp(min=1)
+        step.metrics["pvpo/teacher_logp"] = float((step.logp[rows] * mask).sum() / tokens)
+        behaviour = step.scored.batch.logprobs[rows]
+        step.metrics["pvpo/teacher_behaviour_logp"] = float((behaviour * mask).sum() / tokens)
 
     def refresh(self, completed: int) -> dict[str, float]:
         """Re-estimate the anchors of the training prompts after ``completed`` steps

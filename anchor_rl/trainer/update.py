@@ -158,11 +158,16 @@ def ppo_update(
     *,
     schedule: Iterable[Tensor] | None = None,
     dp: DataParallel | None = None,
+    seen: dict[str, Tensor] | None = None,
 ) -> dict[str, float]:
     """Epochs of clipped policy-gradient steps on one batch; returns averaged metrics.
 
     Args:
         batch: B responses; mask, old_logp, ref_logp, adv: ``[B, T]``; correct: BoolTensor[B].
+        old_logp: None for the single pass (``optim.rescore``): one optimiser step on the
+            whole batch, whose own forward supplies the ratio's denominator (detached, so
+            the ratio is 1, as with log-probs recomputed under the same weights); ``seen``
+            then receives that forward's ``logp`` and ``entropy`` (``[B, T]``, detached).
         generator: shuffles the responses into mini-batches when there are several
             (``schedule``, the mini-batches' row indices, replaces it when given).
         dp: this process's rank among data-parallel learners (``trainer.distributed``):
@@ -174,13 +179,19 @@ def ppo_update(
     if schedule is None:
         assert generator is not None
         schedule = minibatches(len(batch), oc.epochs, oc.mini_batches, generator)
+    if old_logp is None:
+        schedule = list(schedule)
+        if len(schedule) != 1 or len(schedule[0]) != len(batch) or dp is not None:
+            raise ValueError("the single pass (old_logp=None) takes one step on the whole batch")
     model.train()
     sums: dict[str, float] = defaultdict(float)
     steps = 0
     for rows in schedule:
         if len(rows) == 0:
             continue
-        stats = _accumulate(model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg, dp)
+        stats = _accumulate(
+            model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg, dp, seen
+        )
         if dp is not None:
             stats = dp.sum_stats(stats)
             dp.sum_grads(model.parameters())
@@ -212,15 +223,17 @@ def _accumulate(
     batch: RolloutBatch,
     rows: Tensor,
     mask: Tensor,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     ref_logp: Tensor | None,
     adv: Tensor,
     correct: Tensor,
     cfg: TrainConfig,
     dp: DataParallel | None = None,
+    seen: dict[str, Tensor] | None = None,
 ) -> dict[str, float]:
     """Backpropagate the mini-batch ``rows`` (this rank's share of it, with ``dp``) in
-    micro-batches; returns its metrics (this rank's share of each sum)."""
+    micro-batches; returns its metrics (this rank's share of each sum). ``old_logp`` None:
+    the forward's own log-probs, detached (:func:`ppo_update`), stored in ``seen``."""
     device = next(model.parameters()).device
     totals = {
         name: _count(w, mode)
@@ -230,13 +243,19 @@ def _accumulate(
     stats: dict[str, float] = defaultdict(float)
     mine = rows if dp is None else dp.shard(rows)
     parts = torch.split(mine, cfg.optim.micro_batch_size or len(mine)) if len(mine) else ()
+    single = old_logp is None
+    own: list[tuple[Tensor, Tensor]] = []
     for part in parts:
         m, c = mask[part].to(device), correct[part].to(device)
         ref = None if ref_logp is None else ref_logp[part].to(device)
-        logp, _ = token_logprobs(model, batch.select(part), temperature=cfg.rollout.temperature)
-        terms, pg_metrics = loss_terms(
-            logp, old_logp[part].to(device), ref, adv[part].to(device), m, c, cfg
+        logp, entropy = token_logprobs(
+            model, batch.select(part), with_entropy=single, temperature=cfg.rollout.temperature
         )
+        if single:
+            assert entropy is not None
+            own.append((logp.detach(), entropy.detach()))
+        old = own[-1][0] if single else old_logp[part].to(device)
+        terms, pg_metrics = loss_terms(logp, old, ref, adv[part].to(device), m, c, cfg)
         total = torch.zeros((), device=device)
         for name, (w, mode) in loss_weights(m, c, cfg).items():
             weighted = terms[name] * (_count(w, mode) / max(totals[name], 1.0))
@@ -247,6 +266,10 @@ def _accumulate(
         share = (m.sum() / tokens).item()
         for key, value in pg_metrics.items():
             stats[f"policy/{key}"] += share * value.item()
+    if single and seen is not None:  # back in batch order (the schedule may shuffle rows)
+        for key, i in (("logp", 0), ("entropy", 1)):
+            seen[key] = torch.zeros(mask.shape)
+            seen[key][mine] = torch.cat([pair[i] for pair in own]).cpu()
     return stats
 
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
 from anchor_rl.bench.summary import (
     amortise,
+    class_accuracy,
     first_sustained,
     markdown_table,
     run_figures,
@@ -150,6 +151,13 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     before = metrics.stat().st_mtime_ns
     run_suite(suite, BenchArgs(out, echo=lambda _: None))
     assert metrics.stat().st_mtime_ns == before
+    # ... also a run whose config predates a field added since (it reads as the default)
+    config = out / "grpo+short" / "seed0" / "config.json"
+    stored = json.loads(config.read_text())
+    del stored["pvpo"]["prompts"]
+    config.write_text(json.dumps(stored))
+    run_suite(suite, BenchArgs(out, echo=lambda _: None))
+    assert metrics.stat().st_mtime_ns == before
     # ... and a different config in the same directory is refused, not silently reused
     with pytest.raises(ConfigError, match="different config"):
         run_suite(suite, BenchArgs(out, overrides=["optim.lr=0.5"], echo=lambda _: None))
@@ -196,6 +204,13 @@ def test_run_figures_by_hand() -> None:
     f = run_figures(records)
     assert (f["policy_rollouts"], f["rollouts"], f["presample_rollouts"]) == (20.0, 84.0, 64.0)
     assert f["v05_weight_nonzero"] == pytest.approx(1 - (3 * 0.25 + 2 * 0.75) / 5)
+
+
+def test_class_accuracy_splits_the_gain_into_fixes_and_keeps() -> None:
+    start = {"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.5, "e": 1.0}
+    final = {"a": 1.0, "b": 0.0, "c": 0.0, "d": 1.0, "e": 1.0}
+    assert class_accuracy(start, final) == {"eval_fixed": 0.5, "eval_kept": 0.5}
+    assert class_accuracy({"a": 0.5}, {"a": 1.0}) == {}
 
 
 def test_amortise_splits_the_presampling_over_the_runs_sharing_the_anchors() -> None:

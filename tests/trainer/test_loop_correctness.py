@@ -1,11 +1,13 @@
 """Defects a review found in the loop, each pinned by a test that failed before its fix:
 dropout in the old log-probs, the KL of teacher rows, V0.5's order against PVPO's teacher
-rows. (Teacher log-probs at T != 1: tests/anchors/test_anchors_teachers.py.)"""
+rows; and the single-pass update (optim.rescore) changing no metric. (Teacher log-probs at
+T != 1: tests/anchors/test_anchors_teachers.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import metrics_but_timings
 
 from anchor_rl.algos.losses import kl
 from anchor_rl.models.factory import build_model
@@ -42,7 +44,7 @@ def _first_step(tiny, tmp_path, model_dir, *extra):
 def test_dropout_is_off_by_default_so_the_first_ratio_is_exactly_one(
     parity, tiny, tmp_path, dropout_model
 ) -> None:
-    step = _first_step(tiny, tmp_path, dropout_model)
+    step = _first_step(tiny, tmp_path, dropout_model, "optim.rescore=always")
     # lr 0, one epoch, one mini-batch: the update's log-probs are the old ones on every token
     assert step["policy/ratio_mean"] == 1.0 and step["policy/approx_kl"] == 0.0
     assert step["policy/clipfrac_low"] == step["policy/clipfrac_high"] == 0.0
@@ -147,3 +149,23 @@ def test_v05_fuses_and_learns_before_pvpo_injects_teacher_rows(
     # every response of a prompt, the teacher's included, gets the baseline fused before it
     baseline = seen["inputs"]["baseline"]
     assert torch.equal(baseline, v05.fused[after.batch.group])
+
+
+@pytest.mark.parametrize("preset", ["grpo", "rloo"])
+def test_the_single_pass_changes_no_metric(preset, parity, tiny, tmp_path) -> None:
+    """grpo (KL in the loss) takes the single pass; rloo (KL in the reward) cannot."""
+
+    def run(rescore: str) -> list[dict]:
+        cfg = load_config(preset, [*tiny, "steps=2", "eval.every=0", f"optim.rescore={rescore}"])
+        return metrics_but_timings(train(start_run(cfg, tmp_path / rescore)).run_dir)
+
+    fast, plain = run("auto"), run("always")
+    assert [r["update/single_pass"] for r in fast] == [float(preset == "grpo")] * 2
+    assert [r.pop("update/single_pass") for r in plain] == [0.0, 0.0]
+    for r in fast:
+        r.pop("update/single_pass")
+    assert len(fast) == len(plain) == 2
+    for a, b in zip(fast, plain, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key

@@ -34,7 +34,7 @@ from anchor_rl.trainer.pvpo import (
     walk_order,
 )
 from anchor_rl.trainer.run import resume_run, start_run
-from anchor_rl.trainer.update import behaviour_logprobs
+from anchor_rl.trainer.update import behaviour_logprobs, score_logprobs
 
 IDS = [f"train-{i}" for i in range(8)]
 
@@ -152,9 +152,9 @@ def test_teacher_row_old_logp_in_the_update_is_the_teachers(parity, tiny, tmp_pa
         on_rollouts(step)
         seen["scored"] = step.scored
 
-    def spy_update(model, optimizer, scheduler, batch, mask, old_logp, *rest):
-        seen["old_logp"] = old_logp.clone()
-        return real_update(model, optimizer, scheduler, batch, mask, old_logp, *rest)
+    def spy_update(model, optimizer, scheduler, batch, mask, old_logp, *rest, **kwargs):
+        seen["old_logp"], seen["logp"] = old_logp.clone(), score_logprobs(model, batch, cfg)[0]
+        return real_update(model, optimizer, scheduler, batch, mask, old_logp, *rest, **kwargs)
 
     real_update = loop.ppo_update
     monkeypatch.setattr(pvpo, "on_rollouts", spy_step)
@@ -166,6 +166,12 @@ def test_teacher_row_old_logp_in_the_update_is_the_teachers(parity, tiny, tmp_pa
         assert seen["old_logp"][r, :3].tolist() == [-0.25, -0.5, 0.0]
     others = [r for r in range(len(seen["scored"])) if r not in rows]
     assert all(seen["old_logp"][r].abs().sum() > 0 for r in others)
+    # mean log pi_gt per teacher token (the masked tool token excluded): (-0.25 - 0.5) / 2
+    assert metrics["pvpo/teacher_behaviour_logp"] == pytest.approx(-0.375)
+    # the policy's own mean log-prob on those tokens (5 and 6), before the update
+    logp = seen["logp"][rows, :2]
+    assert metrics["pvpo/teacher_logp"] == pytest.approx(logp.mean().item(), rel=1e-6)
+    assert metrics["pvpo/teacher_logp"] < 0
 
 
 def _seed_store(cfg, task, path, correct: list[list[int]]) -> None:

@@ -241,9 +241,9 @@ def test_train_step_passes_the_gae_advantages_to_the_policy_update(
         seen["targets"] = real_targets(*args, **kwargs)
         return seen["targets"]
 
-    def spy_update(model, optimizer, scheduler, batch, mask, old, ref, adv, *rest):
+    def spy_update(model, optimizer, scheduler, batch, mask, old, ref, adv, *rest, **kwargs):
         seen["adv"], seen["mask"] = adv, mask
-        return real_update(model, optimizer, scheduler, batch, mask, old, ref, adv, *rest)
+        return real_update(model, optimizer, scheduler, batch, mask, old, ref, adv, *rest, **kwargs)
 
     monkeypatch.setattr(critic_mod, "critic_targets", spy_targets)
     monkeypatch.setattr(loop_mod, "ppo_update", spy_update)
@@ -479,7 +479,7 @@ def test_vapo_suite_plans_ppo_vapo_and_each_ablation_at_equal_rollouts(tmp_path)
     specs = plan(load_suite("vapo"), tmp_path)
     labels = sorted({s.label for s in specs})
     assert labels == sorted(
-        ["ppo", "vapo"]
+        ["ppo", "vapo", "vapo+length_matched"]
         + [
             f"vapo+no_{k}"
             for k in (
@@ -493,7 +493,7 @@ def test_vapo_suite_plans_ppo_vapo_and_each_ablation_at_equal_rollouts(tmp_path)
             )
         ]  # fmt: skip
     )
-    assert len(specs) == 18 and {s.seed for s in specs} == {0, 1}
+    assert len(specs) == 30 and {s.seed for s in specs} == {0, 1, 2}
     assert {s.config.rollout.prompts_per_step * s.config.rollout.n for s in specs} == {64}
     by = {(s.label, s.seed): s.config.model_dump() for s in specs}
     vapo = by[("vapo", 0)]
@@ -508,5 +508,11 @@ def test_vapo_suite_plans_ppo_vapo_and_each_ablation_at_equal_rollouts(tmp_path)
             }
             # one knob each; group sampling re-splits prompts x samples
             assert len(changed) == (2 if label.endswith("group_sampling") else 1), label
+    # the length-matched alpha: lambda_policy = 1 - 1 / (alpha * 27) = 0.98 at ~27 tokens
+    alpha = by[("vapo+length_matched", 0)]["critic"]["lam_alpha"]
+    assert (
+        1 - 1 / (alpha * 27) == pytest.approx(0.98, abs=1e-3)
+        and vapo["critic"]["lam_alpha"] == 0.05
+    )
     quick = plan(load_suite("vapo"), tmp_path, seeds=[0], profile="quick")
     assert all(s.config.model == "random:tiny" for s in quick)

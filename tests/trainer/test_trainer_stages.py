@@ -167,3 +167,38 @@ def test_ppo_update_steps_the_optimizer_and_reports_metrics() -> None:
     ]:
         assert key in metrics
     assert "loss/kl" not in metrics  # DAPO has no KL term
+
+
+def test_the_single_pass_update_equals_the_rescored_one() -> None:
+    """optim.rescore=auto's single pass: the same losses, step and log-probs as recomputing
+    the log-probs first, within 1e-6 (float32 on the CPU; here they are bit-equal or nearly)."""
+    cfg = load_config("grpo", ["optim.lr=1e-3"])
+    batch = _batch()
+    mask = loss_mask(batch, cfg)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask
+    correct = torch.tensor([True, False, True, False])
+    results = []
+    for single in (False, True):
+        model, ref = _model(), build_model("tiny", build_tokenizer(), seed=1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        logp, entropy = score_logprobs(model, batch, cfg, with_entropy=True)
+        ref_logp, _ = score_logprobs(ref, batch, cfg)
+        seen: dict = {}
+        metrics = ppo_update(
+            model, optimizer, scheduler, batch, mask, None if single else logp, ref_logp, adv,
+            correct, cfg, torch.Generator().manual_seed(0), seen=seen,
+        )  # fmt: skip
+        results.append((metrics, [p.detach().clone() for p in model.parameters()], seen))
+    (plain, plain_params, none), (fast, fast_params, seen) = results
+    assert none == {} and set(seen) == {"logp", "entropy"}
+    torch.testing.assert_close(seen["logp"], logp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(seen["entropy"], entropy, atol=1e-6, rtol=0)
+    for key in ("loss/policy", "loss/kl", "loss/total", "grad_norm", "policy/ratio_mean"):
+        assert fast[key] == pytest.approx(plain[key], abs=1e-6), key
+    for a, b in zip(plain_params, fast_params, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="one step on the whole batch"):
+        two = load_config("grpo", ["optim.mini_batches=2"])
+        ppo_update(model, optimizer, scheduler, batch, mask, None, None, adv, correct, two,
+                   torch.Generator().manual_seed(0))  # fmt: skip
