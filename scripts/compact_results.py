@@ -4,11 +4,12 @@ Usage: ``python scripts/compact_results.py SUITE_DIR DEST_DIR``
 
 Keeps the suite's summary files and, per run, ``config.json``, ``summary.json``, PVPO's
 ``pvpo.json`` and ``pvpo_filter.json`` (the anchor key the amortised cost groups by), the
-metrics every figure and curve of the report reads (the other per-step keys dropped) and
-the per-prompt held-out results of the first and last evaluation (what the paired table
-compares). Training-prompt per-prompt results and checkpoints are left out. A suite of
-another shape (``trl-pvpo``) keeps only its summary (``trl_pvpo.json`` holds every seed's
-figures); machine paths become the copy's path.
+metrics every figure and curve of the report reads (the other per-step keys dropped, floats
+to 6 significant digits) and the per-prompt held-out results of the first and last
+evaluation (what the paired table compares; packed, ``read_evals`` unpacks them).
+Training-prompt per-prompt results and checkpoints are left out. A suite of another shape
+(``trl-pvpo``) keeps only its summary (``trl_pvpo.json`` holds every seed's figures);
+machine paths become the copy's path or, for the anchor store, its file name.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import json
 import sys
 from pathlib import Path
 
+from anchor_rl.trainer.logging import pack_counts
+
 KEPT_PREFIXES = ("eval/",)
 KEPT_KEYS = {
     "step", "reward/mean", "rollouts/cumulative", "rollouts/total", "rollouts/presample",
-    "rollouts/refresh", "rollouts/teacher", "tokens/cumulative",
-    "tokens/step", "time/elapsed", "time/step", "time/generate", "time/score", "time/update",
-    "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "v05/extra_rollouts",
-    "pvpo/teacher_logp", "pvpo/teacher_rows",
+    "tokens/cumulative", "time/elapsed", "time/generate", "time/score", "time/update",
+    "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "pvpo/teacher_logp",
 }  # fmt: skip
 SUITE_FILES = ("summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md")
 
@@ -35,20 +36,36 @@ def compact_metrics(path: Path) -> str:
         if line.strip():
             record = json.loads(line)
             kept = {
-                k: v for k, v in record.items() if k in KEPT_KEYS or k.startswith(KEPT_PREFIXES)
+                k: _short(v)
+                for k, v in record.items()
+                if k in KEPT_KEYS or k.startswith(KEPT_PREFIXES)
             }
             lines.append(json.dumps(kept, separators=(",", ":")))
     return "\n".join(lines) + "\n"
 
 
+def _short(value):
+    """A float to 6 significant digits (what every table shows survives; the file halves)."""
+    return float(f"{value:.6g}") if isinstance(value, float) else value
+
+
 def compact_evals(path: Path) -> str:
-    """The first and last evaluation of an evals.jsonl, held-out split only."""
+    """The first and last evaluation of an evals.jsonl, held-out split only, the per-prompt
+    counts packed (``read_evals`` unpacks them)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     ends = records[:1] + records[-1:] if len(records) > 1 else records
     return "".join(
-        json.dumps({"step": r["step"], "test": r["test"]}, separators=(",", ":")) + "\n"
+        json.dumps({"step": r["step"], "test": pack_counts(r["test"])}, separators=(",", ":"))
+        + "\n"
         for r in ends
     )
+
+
+def compact_presample(path: Path) -> str:
+    """A run's pvpo.json with the anchor store's machine path reduced to its file name."""
+    summary = json.loads(path.read_text())
+    summary["store"] = Path(summary["store"]).name
+    return json.dumps(summary, indent=2) + "\n"
 
 
 def copy_text(source: Path, dest: Path, root: Path, new_root: Path) -> None:
@@ -68,13 +85,15 @@ def main(source: Path, dest: Path) -> None:
     for name in SUITE_FILES:
         if (source / name).is_file():
             copy_text(source / name, dest / name, source, shown)
-    runs = {p.parent for p in source.rglob("config.json")}  # runs of `anchor-rl train`
+    runs = {p.parent for p in source.rglob("metrics.jsonl")}  # runs of `anchor-rl train`
     for run in sorted(runs):
         out = dest / run.relative_to(source)
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "summary.json", "pvpo.json", "pvpo_filter.json"):
+        for name in ("config.json", "summary.json", "pvpo_filter.json"):
             if (run / name).is_file():
                 copy_text(run / name, out / name, source, shown)
+        if (run / "pvpo.json").is_file():
+            (out / "pvpo.json").write_text(compact_presample(run / "pvpo.json"))
         if (run / "metrics.jsonl").is_file():
             (out / "metrics.jsonl").write_text(compact_metrics(run / "metrics.jsonl"))
         if (run / "evals.jsonl").is_file():

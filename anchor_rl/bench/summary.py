@@ -33,7 +33,7 @@ FIGURES: dict[str, str] = {
     "update_s": "mean seconds per step in log-probs, advantage and update",
     "eval_fixed": "held-out accuracy at the last evaluation on the prompts the reference never solved at step 0 (its accuracy-0 class under the evaluation's k)",
     "eval_kept": "held-out accuracy at the last evaluation on the prompts the reference always solved at step 0 (its accuracy-1 class)",
-    "v05_weight_nonzero": "V0.5: share of prompt-steps whose fusion weight on the prior is non-zero (the prior is used at all)",
+    "v05_weight_nonzero": "V0.5: share of prompt-steps whose fusion weight on the empirical mean is non-zero (the prior was rejected; elsewhere the baseline is the prior alone)",
     "target_reached": "share of seeds whose accuracy (the suite's target_metric) reached its target_accuracy and stayed there",
     "target_wall_s": "wall-clock seconds to the evaluation from which accuracy stays at or above the target (seeds that reached it)",
     "target_rollouts": "rollouts (as `rollouts`) to that evaluation",

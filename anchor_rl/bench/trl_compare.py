@@ -92,9 +92,10 @@ DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "old log-probs",
-        "recomputed in a separate no-grad pass (with the entropy)",
+        "the loss pass's own log-probs, detached (the single pass, `optim.rescore=auto`)",
         "the loss pass's own log-probs, detached (one update per generation)",
-        "both give ratio 1 on the first update; anchor-rl pays one extra forward pass per step",
+        "the same arithmetic (ratio 1); `optim.rescore=always` would add anchor-rl's separate "
+        "no-grad pass, one forward per step",
     ),
     (
         "std epsilon",

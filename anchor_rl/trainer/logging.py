@@ -130,9 +130,35 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """The per-prompt evaluation records of a run (:data:`EVALS_FILE`), oldest first; [] for a
-    run that wrote none."""
+    run that wrote none. A split packed by :func:`pack_counts` is unpacked."""
     path = Path(run_dir) / EVALS_FILE
-    return read_jsonl(path) if path.is_file() else []
+    records = read_jsonl(path) if path.is_file() else []
+    for record in records:
+        for split, entry in record.items():
+            if isinstance(entry, dict) and "counts" in entry:
+                record[split] = unpack_counts(entry)
+    return records
+
+
+def pack_counts(entry: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation split's ``{"k", "correct": {id: count}}`` as ``{"k", "ids", "counts"}``
+    when its ids are ``ids.format(i)`` for i = 0, 1, ... and every count is one digit (a
+    thousand prompts in about a kilobyte); the entry unchanged otherwise."""
+    correct = entry["correct"]
+    ids = list(correct)
+    stem = ids[0].rsplit("-", 1)[0] + "-{}" if ids else ""
+    values = list(correct.values())
+    if not ids or ids != [stem.format(i) for i in range(len(ids))] or max(values) > 9:
+        return entry
+    return {**{k: v for k, v in entry.items() if k != "correct"}, "ids": stem,
+            "counts": "".join(str(int(v)) for v in values)}  # fmt: skip
+
+
+def unpack_counts(entry: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`pack_counts`."""
+    rest = {k: v for k, v in entry.items() if k not in ("ids", "counts")}
+    ids = entry["ids"]
+    return rest | {"correct": {ids.format(i): int(c) for i, c in enumerate(entry["counts"])}}
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

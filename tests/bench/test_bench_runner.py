@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +21,17 @@ from anchor_rl.bench.summary import (
 )
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
+from anchor_rl.trainer.logging import read_evals
+
+
+def _compact_module():
+    """scripts/compact_results.py, imported by path (scripts/ is not a package)."""
+    path = Path(__file__).parents[2] / "scripts" / "compact_results.py"
+    spec = importlib.util.spec_from_file_location("compact_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 MICRO = """
 description = "two presets, one seed"
@@ -158,6 +171,20 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     config.write_text(json.dumps(stored))
     run_suite(suite, BenchArgs(out, echo=lambda _: None))
     assert metrics.stat().st_mtime_ns == before
+    # the compact copy (scripts/compact_results.py) keeps what the paired table reads
+    compact = _compact_module()
+    dest = tmp_path / "compact"
+    compact.main(out, dest)
+    run, copy = out / "grpo+short" / "seed0", dest / "grpo+short" / "seed0"
+    assert sorted(p.name for p in copy.iterdir()) == [
+        "config.json",
+        "evals.jsonl",
+        "metrics.jsonl",
+        "summary.json",
+    ]
+    full = read_evals(run)
+    assert read_evals(copy) == [{"step": e["step"], "test": e["test"]} for e in (full[0], full[-1])]
+    assert (dest / "summary.json").is_file()
     # ... and a different config in the same directory is refused, not silently reused
     with pytest.raises(ConfigError, match="different config"):
         run_suite(suite, BenchArgs(out, overrides=["optim.lr=0.5"], echo=lambda _: None))

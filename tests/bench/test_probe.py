@@ -108,9 +108,14 @@ def test_v05_suite_plans_the_papers_comparison(tmp_path) -> None:
     specs = plan(load_suite("v05"), tmp_path, seeds=[0])
     cells = [(s.label, s.config.advantage.estimator, s.config.rollout.n) for s in specs]
     assert cells == [
-        ("v05+k4", "v05", 4), ("grpo+k4", "grpo", 4), ("grpo+k16", "grpo", 16),
-        ("dapo+k16", "grpo", 16),
+        ("v05+k4", "v05", 4), ("grpo+k4", "grpo", 4), ("grpo+k12", "grpo", 12),
+        ("grpo+k16", "grpo", 16), ("dapo+k16", "grpo", 16),
     ]  # fmt: skip
-    assert {s.config.steps for s in specs} == {30} and specs[0].config.rollout.budget == "adaptive"
+    assert {s.config.steps for s in specs} == {50} and specs[0].config.rollout.budget == "adaptive"
+    # each prompt drawn once: 50 steps x 8 prompts = the 400 training prompts
+    assert {(s.config.train_prompts, s.config.rollout.prompts_per_step) for s in specs} == {
+        (400, 8)
+    }
+    assert {s.config.kl.coef for s in specs if s.label.startswith(("v05", "grpo"))} == {0.04}
     with pytest.raises(ConfigError, match=r"runs \['grpo\+k8'\] are not among"):
         plan(Suite("s", "", ["grpo"], [0], variants={"k4": {}}, runs=["grpo+k8"]), tmp_path)

@@ -3,10 +3,12 @@ comparisons over prompts read), trimmed on resume like metrics.jsonl."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from anchor_rl.trainer.config import load_config
-from anchor_rl.trainer.logging import read_evals, read_metrics
+from anchor_rl.trainer.logging import pack_counts, read_evals, read_metrics, unpack_counts
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import resume_run, start_run
 
@@ -33,3 +35,19 @@ def test_every_evaluation_keeps_its_per_prompt_counts(parity, tiny, tmp_path) ->
         resumed = train(resume_run(run.run_dir, {"steps": 4}, from_checkpoint="step_000002"))
     # the stopped run's step-3 line (after the checkpoint it resumes from) is dropped
     assert [e["step"] for e in read_evals(resumed.run_dir)] == [0, 2, 4]
+
+
+def test_packed_counts_read_back_as_written(tmp_path) -> None:
+    entry = {"k": 2, "correct": {f"arithmetic-test-{i}": i % 3 for i in range(12)}}
+    packed = pack_counts(entry)
+    assert packed == {"k": 2, "ids": "arithmetic-test-{}", "counts": "012012012012"}
+    assert unpack_counts(packed) == entry
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "evals.jsonl").write_text(json.dumps({"step": 0, "test": packed}) + "\n")
+    assert read_evals(run) == [{"step": 0, "test": entry}]
+    # ids out of order or a count of two digits: left as they are
+    shuffled = {"k": 1, "correct": {"q-1": 1, "q-0": 0}}
+    assert pack_counts(shuffled) == shuffled
+    many = {"k": 16, "correct": {"q-0": 12}}
+    assert pack_counts(many) == many
