@@ -8,7 +8,10 @@ is a warm-up and is left out when there are more):
 * rollout tokens/s = policy tokens generated / seconds in ``time/generate``;
 * update tokens/s = the same tokens / seconds in ``time/update`` (old and reference
   log-probs, advantage, optimizer step);
-* the fraction of ``time/step`` in generate, score, update and the rest.
+* the fraction of ``time/step`` in generate, score, update and the rest;
+* each throughput as a fraction of the machine's measured matmul FLOP/s at the run's
+  shapes and thread count (:func:`peak_fractions`): 2 x parameters x rollout tokens/s,
+  6 x parameters x update tokens/s.
 
 The models are random inits (``random:SIZE``, no SFT run needed for the larger sizes): their
 responses end at a random stop or eos token or at the budget, about half the budget on
@@ -172,6 +175,58 @@ def stage_figures(
     return out
 
 
+def matmul_flops(rows: int, hidden: int, device: str = "cpu", repeats: int = 10) -> float:
+    """Measured float32 FLOP/s of a ``[rows, hidden] @ [hidden, hidden]`` matmul on ``device``
+    at the current thread count: the best of ``repeats`` timed calls after a warm-up
+    (2 * rows * hidden^2 FLOPs each)."""
+    import time
+
+    import torch
+
+    a = torch.randn(rows, hidden, device=device)
+    b = torch.randn(hidden, hidden, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    best = float("inf")
+    for i in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        for _ in range(8):
+            a @ b
+        sync()
+        if i:  # the first round is the warm-up
+            best = min(best, (time.perf_counter() - start) / 8)
+    return 2 * rows * hidden * hidden / best
+
+
+def peak_fractions(
+    figures: Mapping[str, float], parameters: int, hidden: int, batch: int, device: str = "cpu"
+) -> dict[str, float]:
+    """How close a run comes to the machine's matmul speed at its own shapes.
+
+    ``matmul_flops_decode`` is measured at one decode step's shape (``batch`` rows: the
+    step's responses), ``matmul_flops_update`` at the update's (``tokens_per_step`` rows);
+    ``rollout_peak_frac`` = 2 * parameters * rollout tokens/s over the first,
+    ``update_peak_frac`` = 6 * parameters * update tokens/s over the second (forward and
+    backward, the policy's tokens only: prompts and the old and reference passes are work
+    the figure does not credit, so it is a lower bound).
+    """
+    decode = matmul_flops(batch, hidden, device)
+    update = matmul_flops(max(1, round(figures["tokens_per_step"])), hidden, device)
+    return {
+        "matmul_flops_decode": decode,
+        "matmul_flops_update": update,
+        "rollout_peak_frac": 2 * parameters * figures["rollout_tok_s"] / decode,
+        "update_peak_frac": 6 * parameters * figures["update_tok_s"] / update,
+    }
+
+
+def hidden_size(size: str) -> int:
+    """The hidden width of a built-in size."""
+    from anchor_rl.models.factory import SIZES
+
+    return int(SIZES[size]["hidden_size"])
+
+
 def parameter_count(size: str) -> int:
     """Parameters of a built-in size (tied embeddings once), counted on the meta device."""
     import torch
@@ -254,6 +309,11 @@ def run_throughput_suite(
         echo(f"[{i}/{len(specs)}] {size}, {layout.name}, seed {spec.seed} -> {spec.run_dir}")
         with _threads(layout.threads):
             run_spec(spec)
+            figures = stage_figures(read_metrics(spec.run_dir))
+            batch = spec.config.rollout.prompts_per_step * spec.config.rollout.n
+            figures |= peak_fractions(
+                figures, parameter_count(size), hidden_size(size), batch, device
+            )
         rows.append(
             {
                 "size": size,
@@ -262,7 +322,7 @@ def run_throughput_suite(
                 "seed": spec.seed,
                 "dir": str(spec.run_dir),
                 "parameters": parameter_count(size),
-                "figures": stage_figures(read_metrics(spec.run_dir)),
+                "figures": figures,
             }
         )
     cfg = specs[0].config
@@ -305,11 +365,13 @@ def markdown(payload: Mapping[str, Any]) -> str:
         "",
         "Rollout tokens/s: policy tokens / seconds generating. Update tokens/s: the same tokens "
         "/ seconds in log-probs (old and reference policy), advantage and the optimizer step. "
-        "Shares are of the whole step.",
+        "Shares are of the whole step. Of peak: 2 x parameters x rollout tokens/s (6 x for the "
+        "update) over this machine's measured float32 matmul FLOP/s at the run's own shapes "
+        "and thread count (a decode step's rows; the step's policy tokens).",
         "",
         "| size | layout | parameters | tokens/step | rollout tok/s | update tok/s | s/step "
-        "| generate | score | update | other |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| generate | score | update | other | rollout of peak | update of peak |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in payload["rows"]:
         f = row["figures"]
@@ -318,6 +380,11 @@ def markdown(payload: Mapping[str, Any]) -> str:
             f"| {f['tokens_per_step']:.0f} | "
             f"{f['rollout_tok_s']:.0f} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
             + " | ".join(f"{100 * f[f'frac_{k}']:.1f}%" for k in (*STAGES, "other"))
+            + " | "
+            + " | ".join(
+                f"{100 * f[key]:.1f}%" if key in f else "–"
+                for key in ("rollout_peak_frac", "update_peak_frac")
+            )
             + " |"
         )
     lines += ["", f"Command: `{payload['command']}`", ""]

@@ -7,7 +7,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from anchor_rl.bench.throughput import default_sizes, parameter_count, stage_figures
+from anchor_rl.bench import throughput
+from anchor_rl.bench.throughput import (
+    default_sizes,
+    matmul_flops,
+    parameter_count,
+    peak_fractions,
+    stage_figures,
+)
 from anchor_rl.cli import app
 from anchor_rl.models.factory import build_model, num_parameters
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -61,3 +68,20 @@ def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
     assert "| tiny |" in (out / "throughput.md").read_text()
     assert (out / "stage_time.png").stat().st_size > 0
     assert "--profile quick" in payload["command"]
+    assert f["rollout_peak_frac"] > 0 and f["update_peak_frac"] > 0
+
+
+def test_peak_fractions_by_hand(monkeypatch) -> None:
+    shapes = []
+
+    def fake_flops(rows, hidden, device="cpu", repeats=10):
+        shapes.append((rows, hidden))
+        return 1e9 if rows == 64 else 2e9
+
+    monkeypatch.setattr(throughput, "matmul_flops", fake_flops)
+    figures = {"tokens_per_step": 1800.4, "rollout_tok_s": 1000.0, "update_tok_s": 500.0}
+    out = peak_fractions(figures, parameters=1_000_000, hidden=128, batch=64)
+    assert shapes == [(64, 128), (1800, 128)]  # a decode step's rows, then the step's tokens
+    assert out["rollout_peak_frac"] == pytest.approx(2 * 1e6 * 1000 / 1e9)  # 2.0
+    assert out["update_peak_frac"] == pytest.approx(6 * 1e6 * 500 / 2e9)  # 1.5
+    assert matmul_flops(8, 16, repeats=2) > 0
