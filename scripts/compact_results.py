@@ -2,7 +2,7 @@
 
 Usage: ``python scripts/compact_results.py SUITE_DIR DEST_DIR``
 
-Keeps the suite's summary files and, per run, ``config.json``, ``summary.json``, PVPO's
+Keeps the suite's own result files (summaries, the probe's and the simulator's) and, per run, ``config.json``, ``summary.json``, PVPO's
 ``pvpo.json`` and ``pvpo_filter.json`` (the anchor key the amortised cost groups by), the
 metrics every figure and curve of the report reads (the other per-step keys dropped, floats
 to 6 significant digits) and the per-prompt held-out results of the first and last
@@ -26,7 +26,11 @@ KEPT_KEYS = {
     "tokens/cumulative", "time/elapsed", "time/generate", "time/score", "time/update",
     "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "pvpo/teacher_logp",
 }  # fmt: skip
-SUITE_FILES = ("summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md")
+SUITE_FILES = (
+    "summary.json", "summary.md", "trl_pvpo.json", "trl_pvpo.md", "probe.json", "probe.md",
+    "baseline_mse.json", "baseline_mse.md",
+)  # fmt: skip
+"""A suite's own result files, wherever they are in its tree (outside its runs)."""
 
 
 def compact_metrics(path: Path) -> str:
@@ -82,10 +86,12 @@ def main(source: Path, dest: Path) -> None:
         else dest.name
     )
     dest.mkdir(parents=True, exist_ok=True)
-    for name in SUITE_FILES:
-        if (source / name).is_file():
-            copy_text(source / name, dest / name, source, shown)
     runs = {p.parent for p in source.rglob("metrics.jsonl")}  # runs of `anchor-rl train`
+    for name in SUITE_FILES:
+        for path in source.rglob(name):
+            if path.parent not in runs:
+                (dest / path.parent.relative_to(source)).mkdir(parents=True, exist_ok=True)
+                copy_text(path, dest / path.relative_to(source), source, shown)
     for run in sorted(runs):
         out = dest / run.relative_to(source)
         out.mkdir(parents=True, exist_ok=True)

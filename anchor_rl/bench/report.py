@@ -201,8 +201,9 @@ def load_results(paths: Sequence[Path]) -> Results:
         payload = json.loads(file.read_text())
         if file.name == "summary.json":
             if "groups" not in payload or "suite" not in payload:
-                trained.append(file.parent)  # a training run's own summary
-                continue
+                if (file.parent / "config.json").is_file():
+                    trained.append(file.parent)  # a training run's own summary
+                continue  # else another file of that name (baseline-mse's combined summary)
             # the same suite run twice (other seeds, steps or overrides) stays two suites
             suite = payload["suite"]
             if suite_roots.setdefault(suite, file.parent) != file.parent:

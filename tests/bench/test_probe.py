@@ -89,7 +89,9 @@ def test_report_tables_average_over_probes() -> None:
 @pytest.mark.slow
 def test_bench_baseline_mse_quick(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path / "cache"))  # the anchor store
-    result = CliRunner().invoke(app, ["bench", "baseline-mse", "--quick", "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["bench", "baseline-mse", "--quick", "--seeds", "0", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     for name in ("summary.md", "summary.json", "probe.md", "probe.json", "probe_mse.png"):
         assert (tmp_path / name).is_file(), name

@@ -261,3 +261,10 @@ def test_a_training_run_directory_gets_its_own_report(tmp_path) -> None:
     assert "| run | run run | 1 |" in report  # label: the preset, or the directory's name
     results = load_results([tmp_path])
     assert [m.label for m in results.methods] == ["run"]
+
+
+def test_a_summary_json_that_is_neither_a_suite_nor_a_run_is_left_out(tmp_path) -> None:
+    # baseline-mse writes a combined summary.json beside its simulator and training parts
+    (tmp_path / "summary.json").write_text(json.dumps({"suite": "baseline-mse", "probe": {}}))
+    results = load_results([tmp_path])
+    assert results.methods == [] and results.sources == []
