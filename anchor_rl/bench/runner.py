@@ -323,11 +323,10 @@ def report(
             "seed": spec.seed,
             "dir": str(spec.run_dir),
             "figures": run_figures(records[spec.run_dir], target, metric),
+            "anchor_key": _anchor_key(spec.run_dir),
         }
         for spec in specs
     ]
-    for run, spec in zip(runs, specs, strict=True):
-        run["anchor_key"] = _anchor_key(spec.run_dir)
     amortise(runs)
     per_prompt: dict[str, list] = {}
     for run, spec in zip(runs, specs, strict=True):

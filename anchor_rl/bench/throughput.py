@@ -307,13 +307,12 @@ def run_throughput_suite(
         size, key = chosen[spec.label.split("+")[1]]
         layout = LAYOUTS[key]
         echo(f"[{i}/{len(specs)}] {size}, {layout.name}, seed {spec.seed} -> {spec.run_dir}")
+        parameters = parameter_count(size)
         with _threads(layout.threads):
             run_spec(spec)
             figures = stage_figures(read_metrics(spec.run_dir))
             batch = spec.config.rollout.prompts_per_step * spec.config.rollout.n
-            figures |= peak_fractions(
-                figures, parameter_count(size), hidden_size(size), batch, device
-            )
+            figures |= peak_fractions(figures, parameters, hidden_size(size), batch, device)
         rows.append(
             {
                 "size": size,
@@ -321,7 +320,7 @@ def run_throughput_suite(
                 "driver_threads": layout.threads,
                 "seed": spec.seed,
                 "dir": str(spec.run_dir),
-                "parameters": parameter_count(size),
+                "parameters": parameters,
                 "figures": figures,
             }
         )

@@ -66,6 +66,7 @@ from anchor_rl.trainer.collect import Scored, sampling_params, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
+from anchor_rl.trainer.update import token_mean
 
 PRESAMPLE_SEED = 0
 """Seed of the HF teachers' samples (their trajectories are shared by every run with the same
@@ -462,10 +463,9 @@ class PVPO(Component):
         if step.logp is None or step.mask is None or not bool(rows.any()):
             return
         mask = step.mask[rows]
-        tokens = mask.sum().clamp(min=1)
-        step.metrics["pvpo/teacher_logp"] = float((step.logp[rows] * mask).sum() / tokens)
+        step.metrics["pvpo/teacher_logp"] = token_mean(step.logp[rows], mask)
         behaviour = step.scored.batch.logprobs[rows]
-        step.metrics["pvpo/teacher_behaviour_logp"] = float((behaviour * mask).sum() / tokens)
+        step.metrics["pvpo/teacher_behaviour_logp"] = token_mean(behaviour, mask)
 
     def refresh(self, completed: int) -> dict[str, float]:
         """Re-estimate the anchors of the training prompts after ``completed`` steps
