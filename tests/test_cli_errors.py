@@ -134,10 +134,22 @@ def test_a_user_error_ends_on_one_screen(results, name) -> None:
         assert "--debug" in done.stderr
 
 
-@pytest.mark.parametrize("command", ["eval", "presample", "serve"])
-def test_a_missing_model_is_a_usage_error_on_every_command(tmp_path, command) -> None:
-    done = _run((command, "--model", "does/not/exist", "--task", "arithmetic"), tmp_path,
-                {"COLUMNS": "300"})  # fmt: skip
+MODEL_COMMANDS = ("eval", "presample", "serve")
+
+
+@pytest.fixture(scope="module")
+def missing_model(tmp_path_factory):
+    """Each command with a model that does not exist, side by side."""
+    root = tmp_path_factory.mktemp("missing")
+    args = {c: (c, "--model", "does/not/exist", "--task", "arithmetic") for c in MODEL_COMMANDS}
+    with ThreadPoolExecutor(max_workers=len(args)) as pool:
+        futures = {c: pool.submit(_run, a, root, {"COLUMNS": "300"}) for c, a in args.items()}
+        return {c: f.result() for c, f in futures.items()}
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_a_missing_model_is_a_usage_error_on_every_command(missing_model, command) -> None:
+    done = missing_model[command]
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "Invalid value for --model" in done.stderr and "neither a model directory" in done.stderr
 

@@ -20,9 +20,13 @@ on another device (``--device cuda``) only the largest.
 
 On the CPU, ``tiny`` and ``small`` also run in the cluster layouts (:data:`LAYOUTS`): one
 process with one thread, 1 and 2 Ray rollout workers of one thread each, 2 learner ranks of
-one thread each, and both; the driver then has one thread. A row's ``layout`` says which,
-so rollout tokens/s of 2 workers compare with 1 worker and with the one process at the
-machine's threads (today's default).
+one thread each, both, 1 worker with asynchronous rollouts (``cluster.async_steps=1``: its
+``generate`` time is the driver's wait, so its s/step is the figure to compare), and one
+process with one thread on the plain paths (the model's own forward for decoding,
+``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update as
+they were before the static cache and packing); the driver then has one thread. A row's
+``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
+one process at the machine's threads (today's default).
 Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
 """
 
@@ -57,8 +61,10 @@ class Layout:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
-def _cluster(workers: int = 0, learners: int = 1) -> dict[str, Any]:
+def _cluster(workers: int = 0, learners: int = 1, async_steps: int = 0) -> dict[str, Any]:
     cluster: dict[str, Any] = {"rollout_workers": workers, "learners": learners}
+    if async_steps:
+        cluster["async_steps"] = async_steps
     table: dict[str, Any] = {"cluster": cluster}
     if workers:
         table["rollout"] = {"engine_args": {"threads_per_worker": 1, "num_cpus_per_worker": 1}}
@@ -74,6 +80,12 @@ LAYOUTS: dict[str, Layout] = {
     "w2": Layout("2 rollout workers", 1, _cluster(workers=2)),
     "l2": Layout("2 learners", 1, _cluster(learners=2)),
     "w2l2": Layout("2 workers, 2 learners", 1, _cluster(workers=2, learners=2)),
+    "w1a": Layout("1 rollout worker, async", 1, _cluster(workers=1, async_steps=1)),
+    "t1p": Layout(
+        "1 process, 1 thread, plain",
+        1,
+        {"rollout": {"engine_args": {"decode": "hf"}}, "optim": {"padding_free": "off"}},
+    ),
 }
 """The layouts by key (the key suffixes the size in the run's label: ``grpo+tiny-w2``); the
 one-process layout at the process's threads has the empty key (label ``grpo+tiny``)."""

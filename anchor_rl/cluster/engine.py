@@ -148,6 +148,19 @@ class RayEngine:
         """One response per request, rows in request order, ``batch.group[i] =
         requests[i].group`` (see :class:`~anchor_rl.rollout.engine.Engine`); the shards
         (:func:`shard_by_group`) are sampled in parallel, one per worker."""
+        return self.submit(requests, params, tools, instruction).result()
+
+    def submit(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        tools: Mapping[str, Tool] | None = None,
+        instruction: str | None = None,
+    ) -> PendingRollout:
+        """Send :meth:`rollout`'s work to the workers and return at once; ``.result()``
+        waits for the batch. Each worker runs its calls in the order they were sent, so a
+        :meth:`sync_weights` sent after this waits for it, and these rollouts are sampled
+        with the weights synced before it (asynchronous rollouts, ``cluster.async_steps``)."""
         if not requests:
             raise ValueError("rollout needs at least one request")
         self._check_open()
@@ -158,14 +171,7 @@ class RayEngine:
             for w, rows in enumerate(shards)
             if rows
         }
-        results = self._call(calls)
-        used = sorted(results)
-        merged = RolloutBatch.cat([results[w] for w in used])
-        order = [i for w in used for i in shards[w]]
-        position = [0] * len(order)
-        for pos, i in enumerate(order):
-            position[i] = pos
-        return merged.select(position)
+        return PendingRollout(self, calls, self._dispatch(calls), shards)
 
     def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Put ``state`` (the learner's ``state_dict``, on any device) into the object store
@@ -251,14 +257,25 @@ class RayEngine:
         )  # fmt: skip
 
     def _call(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
-        """Run ``method(*args)`` on each worker ``w`` of ``calls``, in parallel; a worker that
-        dies is restarted and its call sent again (at most MAX_RESTARTS_PER_CALL times).
-        Errors raised by the work itself (a bad request) propagate unchanged."""
-        ray = self._ray
-        pending = {
+        """Run ``method(*args)`` on each worker ``w`` of ``calls``, in parallel (see
+        :meth:`_gather`)."""
+        return self._gather(calls, self._dispatch(calls))
+
+    def _dispatch(self, calls: dict[int, tuple[str, tuple]]) -> dict[Any, int]:
+        """Send ``method(*args)`` to each worker ``w`` of ``calls``: object ref -> worker."""
+        return {
             getattr(self._workers[w], method).remote(*args): w
             for w, (method, args) in calls.items()
         }
+
+    def _gather(
+        self, calls: dict[int, tuple[str, tuple]], pending: dict[Any, int]
+    ) -> dict[int, Any]:
+        """The results of dispatched ``calls`` by worker; a worker that dies is restarted
+        and its call sent again (at most MAX_RESTARTS_PER_CALL times). Errors raised by the
+        work itself (a bad request) propagate unchanged."""
+        ray = self._ray
+        pending = dict(pending)
         results: dict[int, Any] = {}
         tries = dict.fromkeys(calls, 0)
         while pending:
@@ -278,6 +295,33 @@ class RayEngine:
                 self._restart(w, method, exc, n)
                 pending[getattr(self._workers[w], method).remote(*args)] = w
         return results
+
+
+class PendingRollout:
+    """A rollout sent to the workers by :meth:`RayEngine.submit`, not collected yet."""
+
+    def __init__(
+        self,
+        engine: RayEngine,
+        calls: dict[int, tuple[str, tuple]],
+        pending: dict[Any, int],
+        shards: list[list[int]],
+    ) -> None:
+        self._engine, self._calls, self._pending, self._shards = engine, calls, pending, shards
+        self._batch: RolloutBatch | None = None
+
+    def result(self) -> RolloutBatch:
+        """The batch, rows in request order (waits for the workers the first time)."""
+        if self._batch is None:
+            results = self._engine._gather(self._calls, self._pending)
+            used = sorted(results)
+            merged = RolloutBatch.cat([results[w] for w in used])
+            order = [i for w in used for i in self._shards[w]]
+            position = [0] * len(order)
+            for pos, i in enumerate(order):
+                position[i] = pos
+            self._batch = merged.select(position)
+        return self._batch
 
 
 def _resources(table: Mapping[str, float]) -> str:

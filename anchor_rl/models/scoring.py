@@ -1,9 +1,19 @@
 """Log-probs and entropies of response tokens under a causal LM.
 
-The prompt is left-padded and the response right-padded, then the two are concatenated:
-``[pad.. prompt | response ..pad]``, so every response starts at the same column and the
-logits that predict it are the last ``T + 1`` positions but one. Position ids count
-real tokens only, so a row's positions do not depend on how much padding it got.
+Two layouts compute the same function (up to float rounding, pinned in the tests):
+
+- padded: the prompt is left-padded and the response right-padded, then the two are
+  concatenated: ``[pad.. prompt | response ..pad]``, so every response starts at the same
+  column and the logits that predict it are the last ``T + 1`` positions but one. Position
+  ids count real tokens only, so a row's positions do not depend on how much padding it
+  got. Every row costs the longest prompt plus the longest response.
+- packed (padding-free): each row's real tokens, ``prompt + response``, are laid end to end
+  in a few bins (first-fit decreasing into bins twice the longest row), position ids
+  restarting at 0 for every row and no attention mask, so the model's mask builder makes
+  the attention block-diagonal (Hugging Face's packed-sequence format, as TRL's
+  ``padding_free``). Only real tokens are computed, and the output layer runs only on the
+  states that predict response tokens. Used for Llama-architecture models
+  (:func:`packing_supported`), whose masks honour the format.
 """
 
 from __future__ import annotations
@@ -59,6 +69,73 @@ def pack_prompt_response(
     return ids, mask, position_ids(mask)
 
 
+_PACKABLE = ("llama", "mistral", "qwen2")
+
+
+def packing_supported(model: PreTrainedModel) -> bool:
+    """Whether the packed layout is exact for ``model``: a Llama-architecture model (its mask
+    builder reads restarting position ids as separate sequences) with ``model.model`` and
+    ``lm_head`` and no sliding window."""
+    config = model.config
+    return (
+        getattr(config, "model_type", None) in _PACKABLE
+        and not (
+            getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        )
+        and isinstance(getattr(model, "model", None), PreTrainedModel)
+        and hasattr(model, "lm_head")
+    )
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
+    """First-fit-decreasing bins for rows of ``lengths`` tokens: ``(bin, offset)`` of each
+    row and the bin width (twice the longest row)."""
+    width = 2 * max(lengths)
+    room: list[int] = []
+    where, offset = [0] * len(lengths), [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, free in enumerate(room) if free >= lengths[i]), len(room))
+        if b == len(room):
+            room.append(width)
+        where[i], offset[i] = b, width - room[b]
+        room[b] -= lengths[i]
+    return where, offset, width
+
+
+def _score_packed(
+    model: PreTrainedModel, batch: RolloutBatch, with_entropy: bool, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_score` in the packed layout (see the module docstring)."""
+    device = model.device
+    response_len = batch.attention_mask.sum(-1).long().tolist()
+    responses = batch.response_ids.tolist()
+    rows = [[*p, *r[:n]] for p, r, n in zip(batch.prompt_ids, responses, response_len, strict=True)]
+    where, offset, width = pack_rows([len(r) for r in rows])
+    ids = torch.full((max(where) + 1, width), batch.pad_id, dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    for row, b, o in zip(rows, where, offset, strict=True):
+        ids[b, o : o + len(row)] = torch.as_tensor(row, dtype=torch.long)
+        pos[b, o : o + len(row)] = torch.arange(len(row))
+    # response token t of row i is predicted by the state at column o_i + len(prompt_i) - 1 + t
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.as_tensor(response_len))
+    t_of = torch.cat([torch.arange(n) for n in response_len]) if rows else row_of
+    starts = torch.as_tensor(
+        [o + len(p) - 1 for o, p in zip(offset, batch.prompt_ids, strict=True)]
+    )
+    bins, cols = torch.as_tensor(where)[row_of], starts[row_of] + t_of
+    hidden = model.model(
+        input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False
+    ).last_hidden_state
+    logits = model.lm_head(hidden[bins.to(device), cols.to(device)])  # [N, V]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    tokens = batch.response_ids[row_of, t_of].to(device)
+    shape, where_rt = batch.response_ids.shape, (row_of.to(device), t_of.to(device))
+    zeros = torch.zeros(shape, device=device)
+    logp = zeros.index_put(where_rt, logp_all.gather(-1, tokens[:, None]).squeeze(-1))
+    entropy = zeros.index_put(where_rt, entropy_from_logp(logp_all)) if with_entropy else None
+    return logp, entropy
+
+
 def _score(
     model: PreTrainedModel, batch: RolloutBatch, with_entropy: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,13 +162,15 @@ def token_logprobs(
     with_entropy: bool = False,
     micro_batch: int | None = None,
     temperature: float = 1.0,
+    packed: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``batch.response_ids`` given the prompts: ``(logp[B, T], entropy[B, T] | None)``.
 
     Both are 0 where ``batch.attention_mask`` is 0 and live on the model's device.
     Gradients flow when called with grad enabled. ``micro_batch`` bounds the rows per
     forward pass (the ``[rows, T, V]`` logits are the memory peak). ``temperature``
-    divides the logits first (1.0: the model's own distribution).
+    divides the logits first (1.0: the model's own distribution). ``packed`` picks the
+    layout (module docstring): ``None`` packs where :func:`packing_supported`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -104,7 +183,14 @@ def token_logprobs(
         if step >= b
         else [batch.select(range(i, min(i + step, b))) for i in range(0, b, step)]
     )
-    parts = [_score(model, chunk, with_entropy, temperature) for chunk in chunks]
+    if packed is None:
+        packed = packing_supported(model)
+    elif packed and not packing_supported(model):
+        raise ValueError(
+            f"packed scoring needs a Llama-architecture model, not {type(model).__name__}"
+        )
+    score = _score_packed if packed else _score
+    parts = [score(model, chunk, with_entropy, temperature) for chunk in chunks]
     logp = torch.cat([p[0] for p in parts])
     entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
     return logp, entropy

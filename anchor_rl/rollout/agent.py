@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl.rollout.decoders import DecodeMode
 from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
@@ -78,6 +79,7 @@ def run_agent(
     params: SamplingParams,
     seeds: Sequence[int],
     tools: Mapping[str, Tool] | None = None,
+    decode: DecodeMode = "auto",
 ) -> list[Response]:
     """Sample one response per prompt (token lists), calling ``tools`` when the policy asks.
 
@@ -88,6 +90,7 @@ def run_agent(
     reaches ``params.max_new_tokens`` (then it is truncated). After a tool close tag the
     tool runs and ``<result>...</result>`` is appended (cut to the remaining budget, which
     also truncates), up to ``params.max_turns`` calls; a call beyond that ends the response.
+    ``decode`` picks the forward pass (:func:`~anchor_rl.rollout.decoders.decoder_for`).
     """
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -106,6 +109,7 @@ def run_agent(
             stops,
             [seeds[i] for i in active],
             [len(responses[i].tokens) for i in active],
+            decode,
         )
         for i, turn in zip(active, turns, strict=True):
             r = responses[i]

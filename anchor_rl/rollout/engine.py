@@ -26,6 +26,7 @@ from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.registry import Registry
 from anchor_rl.rollout.agent import Response, run_agent
+from anchor_rl.rollout.decoders import DecodeMode, decoder_for
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
 
@@ -161,16 +162,25 @@ class HFEngine:
 
     max_batch: most responses generated together (rows beyond it run in further chunks;
     the KV cache of one chunk is the memory peak).
+    decode: the forward pass of generation (:mod:`anchor_rl.rollout.decoders`): ``auto``
+    (a static KV cache for Llama-architecture models, the model's own forward for others),
+    ``static`` or ``hf``.
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch: int = 256
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_batch: int = 256,
+        decode: DecodeMode = "auto",
     ):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        decoder_for(model, decode)  # fails now on an unknown mode or an unsupported model
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.decode = decode
 
     def rollout(
         self,
@@ -204,7 +214,7 @@ class HFEngine:
                     end = start + self.max_batch
                     responses += run_agent(
                         self.model, self.tokenizer, rows[start:end], params, seeds[start:end],
-                        tools,
+                        tools, self.decode,
                     )  # fmt: skip
         finally:
             self.model.train(was_training)
@@ -221,8 +231,11 @@ class HFEngine:
 
 @register_engine("hf")
 def _hf_engine(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch: int = 256
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_batch: int = 256,
+    decode: DecodeMode = "auto",
 ) -> Engine:
     """The in-process engine on the learner's own model (no copy: updates are seen at once);
-    option ``max_batch``."""
-    return HFEngine(model, tokenizer, max_batch=max_batch)
+    options ``max_batch`` and ``decode``."""
+    return HFEngine(model, tokenizer, max_batch=max_batch, decode=decode)

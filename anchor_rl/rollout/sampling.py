@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.models.scoring import left_pad, position_ids
+from anchor_rl.rollout.decoders import DecodeMode, decoder_for
 
 EOS = "<eos>"
 
@@ -150,6 +151,7 @@ def generate_turn(
     stops: StopSet,
     seeds: Sequence[int],
     counters: Sequence[int],
+    decode: DecodeMode = "auto",
 ) -> list[Turn]:
     """Continue each context until it hits a stop or its own token budget.
 
@@ -157,6 +159,9 @@ def generate_turn(
     budgets: B positive ints, the most tokens row i may generate in this turn.
     seeds, counters: B ints each: row i's t-th token of this turn is drawn with
         ``uniforms(seeds[i], counters[i] + t)`` (the counter continues across turns).
+    decode: the forward pass (:func:`~anchor_rl.rollout.decoders.decoder_for`): ``auto``
+        runs Llama-architecture models with a static KV cache, others with their own
+        ``forward``; ``hf`` and ``static`` force one.
     Rows that finish are dropped from the batch (and from the KV cache), so the others
     do not pay for them. Returns one ``Turn`` per row, in order.
     """
@@ -170,14 +175,11 @@ def generate_turn(
     if any(b < 1 for b in budgets):
         raise ValueError("every budget must be >= 1")
     device = model.device
-    pad_id = tokenizer.pad_token_id
-    ids, mask = left_pad(contexts, pad_id)
+    ids, mask = left_pad(contexts, tokenizer.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     pos = position_ids(mask)
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
-    )
-    cache = out.past_key_values
+    decoder = decoder_for(model, decode)
+    logits = decoder.prefill(ids, mask, pos, max(budgets))
     pos = pos[:, -1]
     turns = [Turn([], [], None) for _ in contexts]
     live = list(range(len(contexts)))  # original row of each batch position
@@ -190,7 +192,7 @@ def generate_turn(
                 [counters[row] + len(turns[row].tokens) for row in live],
             )
             uniform = torch.from_numpy(draws)
-        tokens, logp = sample_next(out.logits[:, -1, :], temperature, top_p, uniform)
+        tokens, logp = sample_next(logits, temperature, top_p, uniform)
         done = []
         for row, tok, lp in zip(live, tokens.tolist(), logp.tolist(), strict=True):
             turn = turns[row]
@@ -206,15 +208,8 @@ def generate_turn(
             return turns
         if len(keep) < len(live):
             index = torch.as_tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask, pos, tokens = mask[index], pos[index], tokens[index]
+            decoder.select(index)
+            pos, tokens = pos[index], tokens[index]
             live = [live[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
         pos = pos + 1
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=pos[:, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
+        logits = decoder.step(tokens, pos)

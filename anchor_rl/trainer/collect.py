@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ from anchor_rl.rewards.overlong import soft_punishment
 from anchor_rl.rollout.engine import Engine, Request, group_requests
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
+from anchor_rl.tools.base import Tool
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.timing import Timer
@@ -127,6 +129,19 @@ def train_requests(
     return group_requests([r.prompt for r in records], draws, n, seed, stream, first=first)
 
 
+def rollout_call(
+    task: Task,
+    records: Sequence[Record],
+    draws: Sequence[int],
+    cfg: TrainConfig,
+    stream: str = "train",
+) -> tuple[list[Request], SamplingParams, dict[str, Tool] | None, str]:
+    """The arguments of ``engine.rollout`` for :func:`generate` (also what an asynchronous
+    run prefetches)."""
+    requests = train_requests(records, draws, cfg.rollout.n, cfg.seed, stream=stream)
+    return requests, sampling_params(cfg, task), task.tools or None, task.instruction
+
+
 def generate(
     engine: Engine,
     task: Task,
@@ -137,12 +152,15 @@ def generate(
 ) -> RolloutBatch:
     """``rollout.n`` responses for each record (drawn at ``draws``); group i belongs to
     ``records[i]``."""
-    return engine.rollout(
-        train_requests(records, draws, cfg.rollout.n, cfg.seed, stream=stream),
-        sampling_params(cfg, task),
-        tools=task.tools or None,
-        instruction=task.instruction,
-    )
+    return engine.rollout(*rollout_call(task, records, draws, cfg, stream))
+
+
+def prefetch_next(engine: Any, sampler: PromptSampler, task: Task, cfg: TrainConfig) -> None:
+    """Start the next step's first rollout call on ``engine`` (a ``PrefetchingEngine``): the
+    next ``prompts_per_step`` prompts of the stream, without consuming them."""
+    want = cfg.rollout.prompts_per_step
+    first = sampler.consumed
+    engine.prefetch(*rollout_call(task, sampler.peek(want), range(first, first + want), cfg))
 
 
 def score(

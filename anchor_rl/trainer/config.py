@@ -133,6 +133,10 @@ class FilterConfig(_Section):
         return "none" if value is None else value  # `filter.kind=none` parses as None
 
 
+BUILTIN_ENGINES = ("hf", "http", "ray")
+"""The engines :func:`engines` registers (validating these names imports nothing)."""
+
+
 def engines() -> Any:
     """The engine registry with the built-in engines registered: ``hf``, ``http``
     (anchor_rl.rollout.http) and ``ray`` (anchor_rl.cluster, Ray imported only when used)."""
@@ -148,6 +152,8 @@ def _registered(kind: str, name: str) -> str:
     ``component``; the registries are imported here, at validation, so importing the config
     needs no torch."""
     if kind == "engine":
+        if name in BUILTIN_ENGINES:  # no need to import them (transformers, Ray) to know
+            return name
         registry = engines()
     elif kind == "component":
         from anchor_rl.trainer.registry import COMPONENTS as registry
@@ -248,6 +254,12 @@ class OptimConfig(_Section):
     learner, and nothing reading the log-probs before the update (PVPO's teacher rows);
     the ratio's denominator, the entropy and the KL metric then come from that forward.
     `always` keeps the separate pass."""
+    padding_free: Literal["auto", "on", "off"] = "auto"
+    """The layout of every scoring forward (update, re-scoring, reference, teacher rows).
+    `auto`/`on`: padding-free, each response's real tokens packed end to end with position
+    ids restarting per row (Llama-architecture models; `on` fails for others, `auto` falls
+    back); `off`: left-padded prompts and right-padded responses. The two agree within
+    float rounding (1e-5 on log-probs); packing skips the padding's compute."""
 
 
 class EvalConfig(_Section):
@@ -363,6 +375,18 @@ class ClusterConfig(_Section):
     step one would. Checkpoints are rank 0's and resume on any count."""
     threads_per_learner: int = Field(0, ge=0)
     """torch threads of each spawned learner rank; 0: this process's thread count."""
+    async_steps: int = Field(0, ge=0)
+    """1: the rollout workers sample the next step's rollouts with the previous weights while
+    this step's update runs (one step off-policy; the ratio's denominator is the behaviour
+    log-probs the engine returns). 0: every step samples with the latest weights. Needs
+    `rollout_workers` > 0 and `rollout.top_p` = 1."""
+    async_correction: Literal["none", "tis"] = "none"
+    """With `async_steps`: `tis` takes the ratio's denominator from the current policy and
+    weights each token's advantage by min(pi_current / pi_behaviour, `tis_cap`) (token-level
+    truncated importance sampling, as verl's rollout correction); `none` divides by the
+    behaviour log-probs."""
+    tis_cap: float = Field(2.0, gt=0)
+    """The truncation of `async_correction = tis`'s importance weights."""
 
 
 class TrainConfig(_Section):
@@ -663,14 +687,36 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     if not cfg.cluster.rollout_workers and _changed(cfg.cluster, ("address",)):
         errors.append(_no_effect("cluster", ["address"], "cluster.rollout_workers=0 uses no Ray"))
     name, options = cfg.engine
-    signature = inspect.signature(engines().lookup(name))
-    try:
-        signature.bind(None, None, **options)
-    except TypeError as exc:
-        takes = ", ".join(list(signature.parameters)[2:]) or "no options"
-        errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
+    if options or name not in BUILTIN_ENGINES:  # the built-ins take no required options
+        signature = inspect.signature(engines().lookup(name))
+        try:
+            signature.bind(None, None, **options)
+        except TypeError as exc:
+            takes = ", ".join(list(signature.parameters)[2:]) or "no options"
+            errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
+
+    if cfg.cluster.async_steps:
+        if cfg.cluster.async_steps > 1:
+            errors.append(
+                f"cluster.async_steps={cfg.cluster.async_steps} is not built: one step off-policy "
+                "(async_steps=1) is"
+            )
+        if not cfg.cluster.rollout_workers:
+            errors.append(
+                "cluster.async_steps needs cluster.rollout_workers > 0: rollouts sampled in this "
+                "process cannot overlap its update"
+            )
+        if cfg.rollout.top_p < 1:
+            errors.append(
+                "cluster.async_steps needs rollout.top_p = 1: the engine's log-probs are of the "
+                "nucleus-renormalised distribution, which the update's ratio cannot divide by"
+            )
+        if cfg.cluster.async_correction != "tis" and _changed(cfg.cluster, ("tis_cap",)):
+            errors.append(_no_effect("cluster", ["tis_cap"], "set cluster.async_correction=tis"))
+    elif names := _changed(cfg.cluster, ("async_correction", "tis_cap")):
+        errors.append(_no_effect("cluster", names, "they correct asynchronous rollouts"))
 
     if cfg.cluster.learners > 1:
         if critic:

@@ -25,6 +25,10 @@ class PromptSampler:
         self.consumed = consumed
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
+    def peek(self, k: int) -> list[Record]:
+        """The next ``k`` records of the stream, leaving the cursor where it is."""
+        return PromptSampler(self.records, self.seed, self.consumed).take(k)
+
     def take(self, k: int) -> list[Record]:
         """The next ``k`` records of the stream."""
         out = []

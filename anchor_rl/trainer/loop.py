@@ -29,8 +29,9 @@ from anchor_rl.algos.losses import kl
 from anchor_rl.batch import minibatches
 from anchor_rl.errors import NonFiniteError
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
+from anchor_rl.trainer.asynchronous import truncated_is_weights
 from anchor_rl.trainer.checkpoint import list_checkpoints
-from anchor_rl.trainer.collect import collect
+from anchor_rl.trainer.collect import collect, prefetch_next
 from anchor_rl.trainer.component import Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.logging import EVALS_FILE, JsonlSink, ProgressBar, open_sinks
@@ -57,10 +58,15 @@ def train_step(run: Run) -> dict[str, float]:
     run.state.rollouts += int(step.metrics["rollouts/step"])
     run.state.tokens += int(step.metrics["tokens/step"])
     scored, metrics = step.scored, step.metrics
+    stale = bool(cfg.cluster.async_steps)
+    if stale:  # the next step's rollouts, sampled while this step updates
+        metrics["async/staleness"] = float(run.engine.take_staleness())
+        if run.state.step + 1 < cfg.steps:
+            prefetch_next(run.engine, run.sampler, run.task, cfg)
     if len(scored):  # dynamic sampling can end a step with no group kept: nothing to learn from
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)
-        single = single_pass(run, step)
+        single = single_pass(run, step) and not stale
         with timer("update"):
             # 4: log-probs of the policy that sampled (recomputed), the behaviour log-probs of
             # the ratio (the same, except off-policy rows such as PVPO's teacher trajectories,
@@ -71,7 +77,10 @@ def train_step(run: Run) -> dict[str, float]:
             if not single:
                 logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
                 step.logp = logp
-                step.old_logp = old_logp = behaviour_logprobs(logp, batch, scored.off_policy)
+                # asynchronous rollouts divide by the log-probs of the weights that sampled
+                # them, on every row (anchor_rl.trainer.asynchronous); tis reweights instead
+                behind = scored.off_policy | (stale and cfg.cluster.async_correction == "none")
+                step.old_logp = old_logp = behaviour_logprobs(logp, batch, behind)
             ref_logp = None if run.ref is None else score_logprobs(run.ref, batch, cfg)[0]
             step.ref_logp = ref_logp
             # 5: the estimator on the loop's inputs and the components' (anchor, baseline,
@@ -83,6 +92,13 @@ def train_step(run: Run) -> dict[str, float]:
             for component in components:
                 component.on_advantages(step)
             adv = step.advantages
+            if stale and cfg.cluster.async_correction == "tis":
+                on_policy_rows = mask * ~scored.off_policy[:, None]  # teacher rows: weight 1
+                weights, tis = truncated_is_weights(
+                    logp, batch.logprobs, on_policy_rows, cfg.cluster.tis_cap
+                )
+                adv = step.advantages = adv * (weights + mask * scored.off_policy[:, None])
+                metrics |= tis
             # 6: policy update, here or on the data-parallel learners (cluster.learners > 1)
             if cfg.cluster.learners > 1:
                 oc = cfg.optim

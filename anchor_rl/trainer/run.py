@@ -36,6 +36,7 @@ from anchor_rl.tasks import TASKS, get_task
 from anchor_rl.tasks.base import Task
 from anchor_rl.tasks.reward_set import with_rewards
 from anchor_rl.trainer import checkpoint
+from anchor_rl.trainer.asynchronous import PrefetchingEngine
 from anchor_rl.trainer.component import COMPONENTS, Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import PPOCritic
@@ -84,7 +85,9 @@ class Run:
         return self.learners
 
     def close(self) -> None:
-        """Stop the learner ranks, if any."""
+        """Stop the learner ranks, if any, and drop a prefetched rollout no step will use."""
+        if isinstance(self.engine, PrefetchingEngine):
+            self.engine.discard()
         if self.learners is not None:
             self.learners.close()
             self.learners = None
@@ -340,6 +343,14 @@ def build_components(setup: Setup) -> dict[str, Component]:
     return components
 
 
+def _engine(
+    cfg: TrainConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> Engine:
+    """The run's engine; able to prefetch the next step's rollouts with ``cluster.async_steps``."""
+    engine = make_engine(cfg.engine[0], policy, tokenizer, **cfg.engine[1])
+    return PrefetchingEngine(engine) if cfg.cluster.async_steps else engine
+
+
 def _assemble(
     cfg: TrainConfig,
     run_dir: Path,
@@ -357,7 +368,7 @@ def _assemble(
         records=task.records("train")[: cfg.train_prompts],
         policy=policy,
         tokenizer=tokenizer,
-        engine=make_engine(cfg.engine[0], policy, tokenizer, **cfg.engine[1]),
+        engine=_engine(cfg, policy, tokenizer),
         generator=torch.Generator(device=cfg.device).manual_seed(cfg.seed),
         resuming=resuming,
     )

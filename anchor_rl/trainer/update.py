@@ -53,10 +53,16 @@ def score_logprobs(
             with_entropy=with_entropy,
             micro_batch=cfg.optim.micro_batch_size,
             temperature=cfg.rollout.temperature,
+            packed=packed(cfg),
         )
     finally:
         model.train(was_training)
     return logp.cpu(), None if entropy is None else entropy.cpu()
+
+
+def packed(cfg: TrainConfig) -> bool | None:
+    """``token_logprobs``'s ``packed`` for ``optim.padding_free`` (None: where supported)."""
+    return {"auto": None, "on": True, "off": False}[cfg.optim.padding_free]
 
 
 def behaviour_logprobs(old_logp: Tensor, batch: RolloutBatch, off_policy: Tensor) -> Tensor:
@@ -249,7 +255,11 @@ def _accumulate(
         m, c = mask[part].to(device), correct[part].to(device)
         ref = None if ref_logp is None else ref_logp[part].to(device)
         logp, entropy = token_logprobs(
-            model, batch.select(part), with_entropy=single, temperature=cfg.rollout.temperature
+            model,
+            batch.select(part),
+            with_entropy=single,
+            temperature=cfg.rollout.temperature,
+            packed=packed(cfg),
         )
         if single:
             assert entropy is not None

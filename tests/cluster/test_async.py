@@ -1,0 +1,135 @@
+"""Asynchronous rollouts (cluster.async_steps=1) on a local 2-CPU Ray: a prefetched rollout is
+sampled with the weights before the next sync, the ratio divides by the log-probs of the
+weights that sampled the tokens, truncated importance weights, and the refused settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchor_rl.cluster import RayEngine
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.rollout.engine import HFEngine, group_requests
+from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.trainer.asynchronous import PrefetchingEngine, truncated_is_weights
+from anchor_rl.trainer.config import ConfigError, load_config
+from anchor_rl.trainer.logging import read_metrics
+from anchor_rl.trainer.loop import train
+from anchor_rl.trainer.run import start_run
+
+PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12)
+
+
+def _requests(stream: str):
+    return group_requests(["1+1=", "what is 12*3?", "x"], [0, 1, 2], 2, 0, stream)
+
+
+def _same(a, b) -> None:
+    assert a.texts == b.texts and torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_prefetched_rollout_uses_the_weights_before_the_next_sync(
+    ray_local, tokenizer, one_thread
+) -> None:
+    old = build_model("tiny", tokenizer, seed=0)
+    new = build_model("tiny", tokenizer, seed=1)
+    engine = PrefetchingEngine(RayEngine(old, tokenizer, workers=1, threads_per_worker=1))
+    try:
+        engine.prefetch(_requests("a"), PARAMS)
+        engine.sync_weights(new.state_dict())  # sent after the prefetch: runs after it
+        prefetched = engine.rollout(_requests("a"), PARAMS)
+        assert engine.take_staleness() == 1 and engine.take_staleness() == 0
+        _same(prefetched, HFEngine(old, tokenizer).rollout(_requests("a"), PARAMS))
+        fresh = engine.rollout(_requests("a"), PARAMS)  # not prefetched: sampled now
+        _same(fresh, HFEngine(new, tokenizer).rollout(_requests("a"), PARAMS))
+        assert fresh.texts != prefetched.texts
+        engine.prefetch(_requests("b"), PARAMS)
+        engine.rollout(_requests("c"), PARAMS)  # another call: the prefetch stays pending
+        engine.discard()
+        assert (engine.prefetched, engine.discarded, engine.take_staleness()) == (1, 1, 0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_divides_by_the_weights_that_sampled(
+    ray_local, parity, tiny, tmp_path, one_thread
+) -> None:
+    overrides = [*tiny, "steps=3", "optim.lr=1e-2", "cluster.rollout_workers=1",
+                 "cluster.async_steps=1", "rollout.engine_args.threads_per_worker=1"]  # fmt: skip
+    run = start_run(load_config("grpo", overrides), tmp_path / "async")
+    initial = {k: v.clone() for k, v in run.policy.state_dict().items()}
+    batches = []
+    inner = run.engine.rollout
+
+    def record(*args, **kwargs):
+        batches.append(inner(*args, **kwargs))
+        return batches[-1]
+
+    run.engine.rollout = record
+    engine = run.engine
+    try:
+        train(run)
+        rows = [r for r in read_metrics(run.run_dir) if "async/staleness" in r]
+        assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+        assert (engine.prefetched, engine.discarded) == (2, 0)  # none past the last step
+        # step 1 divides by the weights it updates (ratio 1); steps 2-3 by the previous ones
+        assert rows[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert all(abs(r["policy/ratio_mean"] - 1.0) > 1e-4 for r in rows[1:])
+        # step 2's rollouts (the second training call) are the initial weights' samples
+        model = build_model("tiny", run.tokenizer, seed=0)
+        model.load_state_dict(initial)
+        with torch.no_grad():
+            logp, _ = token_logprobs(model.eval(), batches[1])
+        torch.testing.assert_close(batches[1].logprobs, logp, rtol=0, atol=1e-5)
+    finally:
+        engine.close()
+
+
+def test_truncated_importance_weights_cap_and_mask() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.4, 0.1, 0.3]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.3, 0.4], [0.1, 0.1, 0.6]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights, metrics = truncated_is_weights(logp, behaviour, mask, cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 0.5], [2.0, 1.0, 0.0]]))
+    assert metrics["async/tis_weight_mean"] == pytest.approx(6.5 / 5)
+    assert metrics["async/tis_capped_frac"] == pytest.approx(2 / 5)  # 3.0 and 4.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.async_steps=1"], "needs cluster.rollout_workers > 0"),
+        (["cluster.async_steps=2", "cluster.rollout_workers=1"], "async_steps=2 is not built"),
+        (["cluster.async_steps=1", "cluster.rollout_workers=1", "rollout.top_p=0.9"],
+         "needs rollout.top_p = 1"),
+        (["cluster.async_correction=tis"], "cluster.async_correction has no effect"),
+        (["cluster.async_steps=1", "cluster.rollout_workers=1", "cluster.tis_cap=3"],
+         "set cluster.async_correction=tis"),
+    ],
+)  # fmt: skip
+def test_refused_asynchronous_settings(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config("grpo", overrides)
+
+
+@pytest.mark.slow
+def test_truncated_importance_sampling_reweights_stale_steps(
+    ray_local, parity, tiny, tmp_path, one_thread
+) -> None:
+    overrides = [*tiny, "steps=2", "eval.every=0", "optim.lr=1e-2", "cluster.rollout_workers=1",
+                 "cluster.async_steps=1", "cluster.async_correction=tis",
+                 "rollout.engine_args.threads_per_worker=1"]  # fmt: skip
+    run = start_run(load_config("grpo", overrides), tmp_path / "tis")
+    try:
+        train(run)
+    finally:
+        run.engine.close()
+    first, second = [r for r in read_metrics(run.run_dir) if "async/staleness" in r]
+    # step 1 was sampled with the weights it updates: its weights are 1 up to rounding
+    assert first["async/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    # the current policy is the denominator (ratio 1); the stale tokens are reweighted
+    assert second["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert second["async/tis_weight_mean"] != pytest.approx(1.0, abs=1e-4)

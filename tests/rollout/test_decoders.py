@@ -1,0 +1,116 @@
+"""The static-cache decoder against the model's own forward: logits, sampled tokens,
+grouped-query attention, attention biases, row selection; the choice of decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from anchor_rl.models.factory import build_model
+from anchor_rl.models.scoring import left_pad, position_ids
+from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.rollout.decoders import HFDecoder, StaticDecoder, decoder_for, static_unsupported
+from anchor_rl.rollout.engine import HFEngine
+from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
+
+TOK = build_tokenizer()
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=len(TOK))
+
+
+def _models() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    gqa = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **SMALL)
+    qwen = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **SMALL)  # q/k/v biases
+    return {
+        "tiny": build_model("tiny", TOK, seed=0),
+        "llama-gqa": LlamaForCausalLM(gqa),
+        "qwen2": Qwen2ForCausalLM(qwen),
+    }
+
+
+MODELS = _models()
+CONTEXTS = [[5, 20, 21, 30, 31, 32, 7], [40, 41], [9, 9, 60, 61, 62], [70, 71, 72, 73]]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(name) -> None:
+    model = MODELS[name].eval()
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    pos = position_ids(mask)
+    fast, slow = StaticDecoder(model), HFDecoder(model)
+    steps = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
+    keep = [None, None, [0, 1, 3], [0, 2], [1]]  # rows finish: compaction below 3/4 live
+    with torch.no_grad():
+        a, b = fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        pos = pos[:, -1]
+        for tokens, index in zip(steps, keep, strict=True):
+            if index is not None:
+                index = torch.tensor(index)
+                fast.select(index)
+                slow.select(index)
+                pos = pos[index]
+            pos = pos + 1
+            tokens = torch.tensor(tokens)
+            a, b = fast.step(tokens, pos), slow.step(tokens, pos)
+            assert a.shape == b.shape == (len(tokens), model.config.vocab_size)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_generate_turn_samples_the_same_tokens_with_either_decoder() -> None:
+    model = MODELS["tiny"].eval()
+    stops = StopSet.build(TOK, [], eos_ids(model, TOK))
+    turns = {
+        mode: generate_turn(
+            model,
+            TOK,
+            CONTEXTS * 4,
+            [30, 5, 17, 30] * 4,
+            1.0,
+            1.0,
+            stops,
+            list(range(16)),
+            [0] * 16,
+            decode=mode,
+        )  # fmt: skip
+        for mode in ("static", "hf")
+    }
+    for fast, slow in zip(turns["static"], turns["hf"], strict=True):
+        assert fast.tokens == slow.tokens and fast.stop == slow.stop
+        assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
+    assert sorted({len(t.tokens) for t in turns["static"]}) != [30]  # rows ended apart
+
+
+def test_static_cache_refuses_a_step_past_its_budget() -> None:
+    model = MODELS["tiny"].eval()
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    decoder = StaticDecoder(model)
+    with torch.no_grad():
+        decoder.prefill(ids, mask, position_ids(mask), 1)
+        decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 9))
+        with pytest.raises(RuntimeError, match="full"):
+            decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 10))
+
+
+def test_decoder_choice_falls_back_or_names_why() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(TOK)))
+    assert "model_type 'gpt2'" in static_unsupported(gpt2)
+    assert isinstance(decoder_for(gpt2), HFDecoder)
+    assert isinstance(decoder_for(MODELS["tiny"]), StaticDecoder)
+    assert isinstance(decoder_for(MODELS["tiny"], "hf"), HFDecoder)
+    with pytest.raises(ValueError, match="decode=static cannot run GPT2LMHeadModel"):
+        decoder_for(gpt2, "static")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        HFEngine(MODELS["tiny"], TOK, decode="fast")
+    sliding = LlamaConfig(num_attention_heads=4, **SMALL)
+    sliding.model_type = "mistral"
+    sliding.sliding_window = 16
+    assert "sliding-window" in static_unsupported(LlamaForCausalLM(sliding))
