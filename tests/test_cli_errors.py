@@ -2,8 +2,10 @@
 names the cause and the fix, exit code 2, and no traceback unless ``--debug`` asks for it.
 An unexpected error exits 1 and says how to see the traceback.
 
-Each case runs the real command line in a subprocess (the console entry point's error
-handling is what is tested); the cases run side by side to keep the module quick.
+Most cases run the command line's app in this process (``typer.testing.CliRunner``: the same
+command group and its error handling, without a new interpreter's imports); the cases that
+import a plug-in, which would register its names in this process, and the ones about the
+console entry point itself run the real command in a subprocess, side by side.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ class Case:
     code: int
     message: str  # in the first line of stderr
     env: tuple[tuple[str, str], ...] = ()
+    subprocess: bool = False  # a plug-in: keep its registrations out of this process
+
+
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stderr: str
+
+
+def _run_here(args: tuple[str, ...], cwd: Path, env: dict[str, str]) -> Done:
+    """The ``anchor-rl`` app on ``args`` in this process, in ``cwd``, with ``env`` set."""
+    from typer.testing import CliRunner
+
+    from anchor_rl.cli import app
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.delenv("ANCHOR_RL_DEBUG", raising=False)
+        result = CliRunner().invoke(app, list(args), env=env)
+    return Done(result.exit_code, result.stderr)
 
 
 def _run(args: tuple[str, ...], cwd: Path, env: dict[str, str] | None = None):
@@ -104,11 +126,12 @@ CASES = {
     "a plug-in that fails to import": Case(
         ("train", "plugins=[\"import_fails.py\"]", "steps=1"),
         2, "plugin 'import_fails.py' raised RuntimeError: boom in plugin at import_fails.py:1",
+        subprocess=True,
     ),
     "an unexpected error inside the loop": Case(
         ("train", "plugins=[\"estimator_fails.py\"]", "advantage.estimator=explodes",
          "steps=1", *TINY),
-        1, "RuntimeError: an estimator bug",
+        1, "RuntimeError: an estimator bug", subprocess=True,
     ),
 }  # fmt: skip
 
@@ -117,9 +140,15 @@ CASES = {
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     _write_files(root)
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(_run, c.args, root, dict(c.env)) for name, c in CASES.items()}
-        return {name: f.result() for name, f in futures.items()}
+    apart = {name: c for name, c in CASES.items() if c.subprocess}
+    with ThreadPoolExecutor(max_workers=len(apart)) as pool:
+        futures = {name: pool.submit(_run, c.args, root, dict(c.env)) for name, c in apart.items()}
+        here = {
+            name: _run_here(c.args, root, dict(c.env))
+            for name, c in CASES.items()
+            if not c.subprocess
+        }
+        return here | {name: f.result() for name, f in futures.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -137,19 +166,10 @@ def test_a_user_error_ends_on_one_screen(results, name) -> None:
 MODEL_COMMANDS = ("eval", "presample", "serve")
 
 
-@pytest.fixture(scope="module")
-def missing_model(tmp_path_factory):
-    """Each command with a model that does not exist, side by side."""
-    root = tmp_path_factory.mktemp("missing")
-    args = {c: (c, "--model", "does/not/exist", "--task", "arithmetic") for c in MODEL_COMMANDS}
-    with ThreadPoolExecutor(max_workers=len(args)) as pool:
-        futures = {c: pool.submit(_run, a, root, {"COLUMNS": "300"}) for c, a in args.items()}
-        return {c: f.result() for c, f in futures.items()}
-
-
 @pytest.mark.parametrize("command", MODEL_COMMANDS)
-def test_a_missing_model_is_a_usage_error_on_every_command(missing_model, command) -> None:
-    done = missing_model[command]
+def test_a_missing_model_is_a_usage_error_on_every_command(tmp_path, command) -> None:
+    done = _run_here((command, "--model", "does/not/exist", "--task", "arithmetic"), tmp_path,
+                     {"COLUMNS": "300"})  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "Invalid value for --model" in done.stderr and "neither a model directory" in done.stderr
 
@@ -166,15 +186,15 @@ def test_a_finished_run_says_how_to_resume_and_a_corrupt_checkpoint_offers_the_p
 ) -> None:
     run = ("train", *TINY, "eval.every=0", "checkpoint.every=1", "checkpoint.keep=2", "steps=2",
            "--out", "run")  # fmt: skip
-    first = _run(run, tmp_path)
+    first = _run_here(run, tmp_path, {})
     assert first.returncode == 0, first.stderr
-    again = _run(run, tmp_path)
+    again = _run_here(run, tmp_path, {})
     assert again.returncode == 2
     assert "continue it with anchor-rl train --resume" in again.stderr
-    changed = _run(("train", "--resume", "run", "steps=3", "rollout.n=2"), tmp_path)
+    changed = _run_here(("train", "--resume", "run", "steps=3", "rollout.n=2"), tmp_path, {})
     assert changed.returncode == 2
     assert "'rollout.n' cannot change on resume" in changed.stderr
     (tmp_path / "run" / "checkpoints" / "step_000002" / "optimizer.pt").write_bytes(b"torn")
-    resumed = _run(("train", "--resume", "run", "steps=3"), tmp_path)
+    resumed = _run_here(("train", "--resume", "run", "steps=3"), tmp_path, {})
     assert resumed.returncode == 2 and "Traceback" not in resumed.stderr
     assert "step_000002" in resumed.stderr and "--from step_000001" in resumed.stderr

@@ -698,7 +698,7 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
                     row["size"],
                     row.get("layout", "1 process"),
                     f"{row['parameters'] / 1e6:.1f}M",
-                    f"{f['rollout_tok_s']:.0f}",
+                    f"{f['rollout_tok_s']:.0f}" if "rollout_tok_s" in f else "–",
                     f"{f['update_tok_s']:.0f}",
                     f"{f['s_per_step']:.2f}",
                     *(

@@ -163,8 +163,8 @@ def stage_figures(
     """Throughput figures of one run from its metric records.
 
     The first ``warmup`` training steps are left out when more steps than that exist.
-    Returns ``steps`` (measured), ``tokens_per_step``, ``s_per_step``, ``rollout_tok_s``,
-    ``update_tok_s`` and ``frac_generate``, ``frac_score``, ``frac_update``, ``frac_other``
+    Returns ``steps`` (measured), ``tokens_per_step``, ``s_per_step``, ``rollout_tok_s`` (not
+    for asynchronous rollouts), ``update_tok_s`` and ``frac_generate``, ``frac_score``, ``frac_update``, ``frac_other``
     (shares of the summed ``time/step``).
     """
     steps = [r for r in records if r["step"] > 0]
@@ -178,9 +178,12 @@ def stage_figures(
         "steps": float(len(measured)),
         "tokens_per_step": tokens / len(measured),
         "s_per_step": total / len(measured),
-        "rollout_tok_s": tokens / seconds["generate"],
         "update_tok_s": tokens / seconds["update"],
     }
+    # with asynchronous rollouts ``time/generate`` is the wait for a prefetched batch, not
+    # the sampling: no rollout tokens/s (the step time shows the overlap)
+    if not any(r.get("async/staleness", 0) > 0 for r in measured):
+        out["rollout_tok_s"] = tokens / seconds["generate"]
     for stage in STAGES:
         out[f"frac_{stage}"] = seconds[stage] / total
     out["frac_other"] = 1.0 - sum(out[f"frac_{s}"] for s in STAGES)
@@ -224,12 +227,14 @@ def peak_fractions(
     """
     decode = matmul_flops(batch, hidden, device)
     update = matmul_flops(max(1, round(figures["tokens_per_step"])), hidden, device)
-    return {
+    out = {
         "matmul_flops_decode": decode,
         "matmul_flops_update": update,
-        "rollout_peak_frac": 2 * parameters * figures["rollout_tok_s"] / decode,
         "update_peak_frac": 6 * parameters * figures["update_tok_s"] / update,
     }
+    if "rollout_tok_s" in figures:
+        out["rollout_peak_frac"] = 2 * parameters * figures["rollout_tok_s"] / decode
+    return out
 
 
 def hidden_size(size: str) -> int:
@@ -361,6 +366,10 @@ def run_throughput_suite(
     return {"summary_json": json_path, "summary_md": md_path, "plots": [plot]}
 
 
+def _count(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
 def markdown(payload: Mapping[str, Any]) -> str:
     """The figures as a markdown table, with the setting and the command."""
     host, s = payload["host"], payload["settings"]
@@ -389,7 +398,7 @@ def markdown(payload: Mapping[str, Any]) -> str:
         lines.append(
             f"| {row['size']} | {row.get('layout', '1 process')} | {row['parameters'] / 1e6:.1f}M "
             f"| {f['tokens_per_step']:.0f} | "
-            f"{f['rollout_tok_s']:.0f} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
+            f"{_count(f.get('rollout_tok_s'))} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
             + " | ".join(f"{100 * f[f'frac_{k}']:.1f}%" for k in (*STAGES, "other"))
             + " | "
             + " | ".join(

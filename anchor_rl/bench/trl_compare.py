@@ -80,15 +80,21 @@ SCALE_REWARDS = {"grpo": "group", "drgrpo": "none"}
 DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
     (
         "sampler",
-        "own KV-cache loop; finished rows leave the batch",
+        "own loop with a static KV cache (`decode=auto`); finished rows leave the batch",
         "`model.generate`; finished rows are padded until the longest ends",
         "each library's generation path; same temperature, top-p, budget and stop tokens",
     ),
     (
         "random stream",
-        "`torch.Generator(seed)` for sampling",
+        "per-request uniforms: splitmix64 of the request's seed and the token's index",
         "`set_seed(seed)` (global RNG)",
         "the same seed draws different samples, so the runs agree in distribution, not token by token",
+    ),
+    (
+        "scoring forward",
+        "padding-free: each row's real tokens packed end to end (`optim.padding_free=auto`)",
+        "a padded batch (prompt and completion tensors)",
+        "each library's default layout; the same log-probs up to float rounding",
     ),
     (
         "old log-probs",

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -35,6 +35,23 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from anchor_rl.batch import RolloutBatch
+
+
+class Shards(Protocol):
+    """This process's place among data-parallel ranks (``trainer.distributed.DataParallel``)."""
+
+    def shard(self, rows: Tensor) -> Tensor:
+        """This rank's rows of a mini-batch ``rows[M]``."""
+        ...
+
+    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Replace every gradient by its sum over the ranks."""
+        ...
+
+    def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
+        """The figures' sums over the ranks."""
+        ...
+
 
 SampleFn = Callable[[int], tuple["RolloutBatch", Tensor]]
 """``sample_fn(step) -> (batch, rewards[B])``: fresh rollouts of the fixed policy and their rewards."""
@@ -175,6 +192,7 @@ def fit_values(
     value_clip: float,
     micro_batch: int | None = None,
     max_grad_norm: float | None = None,
+    dp: Shards | None = None,
 ) -> dict[str, float]:
     """One optimiser step of the clipped value loss per mini-batch of ``schedule``.
 
@@ -183,7 +201,10 @@ def fit_values(
     moved by at most ``value_clip``, token-mean over the mini-batch; micro-batches of
     ``micro_batch`` rows accumulate gradients weighted by their tokens, so they change
     memory, not the update. The gradient norm is clipped to ``max_grad_norm`` (None: not
-    clipped, still measured).
+    clipped, still measured). With ``dp`` (data-parallel ranks, every one calling this with
+    the same arguments) each rank backpropagates its rows of each mini-batch, weighted by
+    the whole mini-batch's tokens, and the gradients are summed before the step, so every
+    rank takes the step one process would; the returned figures are the whole batch's.
 
     Args:
         mask, old_values, returns: ``[B, T]`` (any device; moved to the critic's).
@@ -202,7 +223,8 @@ def fit_values(
         if tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
-        for part in torch.split(rows, micro_batch or len(rows)):
+        mine = rows if dp is None else dp.shard(rows)
+        for part in torch.split(mine, micro_batch or len(mine)) if len(mine) else ():
             part_tokens = float(mask[part].sum())
             if part_tokens == 0:
                 continue
@@ -214,6 +236,8 @@ def fit_values(
             loss_sum += float(loss.detach()) * part_tokens
             clip_sum += float(metrics["vf_clipfrac"]) * part_tokens
             tokens_sum += part_tokens
+        if dp is not None:
+            dp.sum_grads(params)
         limit = math.inf if max_grad_norm is None else max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         if not (math.isfinite(norm) and math.isfinite(loss_sum)):
@@ -222,6 +246,9 @@ def fit_values(
         optimizer.step()
         updates += 1
     optimizer.zero_grad(set_to_none=True)
+    if dp is not None:
+        sums = dp.sum_stats({"loss": loss_sum, "clip": clip_sum, "tokens": tokens_sum})
+        loss_sum, clip_sum, tokens_sum = sums["loss"], sums["clip"], sums["tokens"]
     if updates == 0:
         return {"loss": math.nan, "vf_clipfrac": math.nan, "grad_norm": math.nan, "updates": 0}
     return {

@@ -133,10 +133,6 @@ class FilterConfig(_Section):
         return "none" if value is None else value  # `filter.kind=none` parses as None
 
 
-BUILTIN_ENGINES = ("hf", "http", "ray")
-"""The engines :func:`engines` registers (validating these names imports nothing)."""
-
-
 def engines() -> Any:
     """The engine registry with the built-in engines registered: ``hf``, ``http``
     (anchor_rl.rollout.http) and ``ray`` (anchor_rl.cluster, Ray imported only when used)."""
@@ -152,8 +148,6 @@ def _registered(kind: str, name: str) -> str:
     ``component``; the registries are imported here, at validation, so importing the config
     needs no torch."""
     if kind == "engine":
-        if name in BUILTIN_ENGINES:  # no need to import them (transformers, Ray) to know
-            return name
         registry = engines()
     elif kind == "component":
         from anchor_rl.trainer.registry import COMPONENTS as registry
@@ -369,8 +363,8 @@ class ClusterConfig(_Section):
     """The Ray cluster of the rollout workers: `local` starts Ray in this process, `auto` joins
     the cluster `ray start --head` started, or HOST:PORT."""
     learners: int = Field(1, gt=0)
-    """Data-parallel learner ranks of the policy update (torch.distributed, gloo): this process
-    is rank 0, the others are spawned processes with replicas; the batch is sharded, the loss
+    """Data-parallel learner ranks of the policy update and the critic's (torch.distributed,
+    gloo): this process is rank 0, the others are spawned processes with replicas; the batch is sharded, the loss
     normalisers are the whole batch's and the gradients are summed, so N learners take the
     step one would. Checkpoints are rank 0's and resume on any count."""
     threads_per_learner: int = Field(0, ge=0)
@@ -687,13 +681,12 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     if not cfg.cluster.rollout_workers and _changed(cfg.cluster, ("address",)):
         errors.append(_no_effect("cluster", ["address"], "cluster.rollout_workers=0 uses no Ray"))
     name, options = cfg.engine
-    if options or name not in BUILTIN_ENGINES:  # the built-ins take no required options
-        signature = inspect.signature(engines().lookup(name))
-        try:
-            signature.bind(None, None, **options)
-        except TypeError as exc:
-            takes = ", ".join(list(signature.parameters)[2:]) or "no options"
-            errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
+    signature = inspect.signature(engines().lookup(name))
+    try:
+        signature.bind(None, None, **options)
+    except TypeError as exc:
+        takes = ", ".join(list(signature.parameters)[2:]) or "no options"
+        errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
 
@@ -718,17 +711,11 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     elif names := _changed(cfg.cluster, ("async_correction", "tis_cap")):
         errors.append(_no_effect("cluster", names, "they correct asynchronous rollouts"))
 
-    if cfg.cluster.learners > 1:
-        if critic:
-            errors.append(
-                "cluster.learners > 1 with a critic (advantage.estimator=gae) is not built yet: "
-                "the critic's update runs on one learner; use cluster.learners=1"
-            )
-        if not cfg.device.startswith("cpu"):
-            errors.append(
-                f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "
-                "gloo on the CPU; NCCL ranks, one GPU each, are open work); use device=cpu"
-            )
+    if cfg.cluster.learners > 1 and not cfg.device.startswith("cpu"):
+        errors.append(
+            f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "
+            "gloo on the CPU; NCCL ranks, one GPU each, are open work); use device=cpu"
+        )
 
     # --- the critic ------------------------------------------------------------------------
     if critic:

@@ -35,9 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -57,6 +57,22 @@ from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler
+
+
+class ValueLearners(Protocol):
+    """What runs the critic's update on data-parallel ranks (``trainer.learners.LearnerGroup``)."""
+
+    def critic_update(
+        self,
+        batch: RolloutBatch,
+        mask: Tensor,
+        old_values: Tensor,
+        returns: Tensor,
+        schedule: list[Tensor],
+    ) -> dict[str, float]:
+        """``fit_values`` on every rank; the figures of the whole batch (``[B, T]`` tensors)."""
+        ...
+
 
 PRETRAIN_FILE = "critic_pretrain.json"
 """Value-pretraining history in the run directory."""
@@ -222,10 +238,12 @@ def critic_update(
     returns: Tensor,
     cfg: TrainConfig,
     generator: torch.Generator,
+    learners: ValueLearners | None = None,
 ) -> dict[str, float]:
     """``optim.epochs`` x ``optim.mini_batches`` AdamW steps on the clipped value loss
     (:func:`anchor_rl.models.value_pretrain.fit_values`; clip range ``critic.value_clip``,
-    gradient norm clipped to ``optim.grad_clip``, micro-batches of ``optim.micro_batch_size``).
+    gradient norm clipped to ``optim.grad_clip``, micro-batches of ``optim.micro_batch_size``),
+    here or, with ``learners`` (``cluster.learners > 1``), data-parallel on their ranks.
 
     Args:
         mask, old_values (the values the advantages were computed with), returns: ``[B, T]``.
@@ -236,13 +254,16 @@ def critic_update(
     mini-batch had a policy token.
     """
     oc = cfg.optim
-    critic.train()
-    fit = fit_values(
-        critic, optimizer, batch, mask, old_values, returns,
-        minibatches(len(batch), oc.epochs, oc.mini_batches, generator),
-        value_clip=cfg.critic.value_clip, micro_batch=oc.micro_batch_size,
-        max_grad_norm=oc.grad_clip,
-    )  # fmt: skip
+    schedule = list(minibatches(len(batch), oc.epochs, oc.mini_batches, generator))
+    if learners is not None:
+        fit = learners.critic_update(batch, mask, old_values, returns, schedule)
+    else:
+        critic.train()
+        fit = fit_values(
+            critic, optimizer, batch, mask, old_values, returns, schedule,
+            value_clip=cfg.critic.value_clip, micro_batch=oc.micro_batch_size,
+            max_grad_norm=oc.grad_clip,
+        )  # fmt: skip
     if fit["updates"] == 0:
         return {}
     return {
@@ -286,6 +307,8 @@ class PPOCritic(Component):
     """The critic of PPO and VAPO in a run: values for GAE, returns, whitening, its update.
 
     critic: the value model; optimizer: its AdamW (constant learning rate).
+    learners: the run's data-parallel learner group, started on first use
+        (``cluster.learners > 1``, set by the run); None: the update runs here.
     value_pretrain_rollouts: reference rollouts value pretraining used (cached ones included).
     """
 
@@ -309,6 +332,7 @@ class PPOCritic(Component):
         if cfg.disable_dropout:
             disable_dropout(self.critic)
         self.optimizer = critic_optimizer(cfg, self.critic)
+        self.learners: Callable[[], ValueLearners] | None = None
 
     def advantage_inputs(self, step: Step) -> dict[str, Any]:
         """``values[B, T]`` (the critic's, before its update) and the policy's ``lam[B]``."""
@@ -326,9 +350,10 @@ class PPOCritic(Component):
         step.metrics |= critic_metrics(
             values, returns, step.advantages, inputs["lam"], mask, step.scored.rewards
         )
+        group = None if self.learners is None else self.learners()
         step.metrics |= critic_update(
             self.critic, self.optimizer, step.scored.batch, mask, values, returns, self.cfg,
-            self.generator,
+            self.generator, group,
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:

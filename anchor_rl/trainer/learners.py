@@ -1,4 +1,4 @@
-"""Data-parallel learners (``cluster.learners = N > 1``): the policy update on N ranks.
+"""Data-parallel learners (``cluster.learners = N > 1``): the policy and critic updates on N ranks.
 
 This process is rank 0: it runs the loop and holds the run's policy, optimiser and
 checkpoints. Ranks 1..N-1 are processes it spawns, each with a replica of the policy and
@@ -6,7 +6,9 @@ its optimiser, joined by a torch.distributed process group (gloo). For every upd
 rank 0 broadcasts the step's batch and mini-batch schedule; every rank then runs
 ``update.ppo_update`` on its share of each mini-batch (``distributed.DataParallel``) and
 the gradients are summed before each step, so the ranks take identical steps and rank 0's
-weights are what one process would have computed, up to float summation order.
+weights are what one process would have computed, up to float summation order. With a
+critic (PPO, VAPO) every rank also holds a critic replica and runs its share of the value
+update the same way (``critic_update``; ``fit_values`` with ``dp``).
 Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of
 learners. A rank that dies ends the run with a clear error; its last checkpoint resumes it.
 """
@@ -24,7 +26,9 @@ from torch import Tensor
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError
+from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
+from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
 from anchor_rl.trainer.distributed import DataParallel
 from anchor_rl.trainer.update import make_optimizer, ppo_update
@@ -48,6 +52,7 @@ class LearnerGroup:
         policy: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
+        critic: tuple[Critic, torch.optim.Optimizer] | None = None,
     ) -> None:
         world = cfg.cluster.learners
         threads = cfg.cluster.threads_per_learner or max(1, torch.get_num_threads())
@@ -72,9 +77,16 @@ class LearnerGroup:
             "weights": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
+            "critic": None,
         }
+        if critic is not None:
+            state["critic"] = {
+                "weights": {k: v.detach().cpu() for k, v in critic[0].state_dict().items()},
+                "optimizer": critic[1].state_dict(),
+            }
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
+        self.critic = critic
         self.dp = DataParallel(0, world)
 
     def update(
@@ -105,11 +117,31 @@ class LearnerGroup:
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc)) from exc
 
-    def _stopped(self, exc: Exception) -> str:
+    def critic_update(
+        self,
+        batch: RolloutBatch,
+        mask: Tensor,
+        old_values: Tensor,
+        returns: Tensor,
+        schedule: list[Tensor],
+    ) -> dict[str, float]:
+        """The critic's ``fit_values`` on every rank (:func:`_fit_critic`); the whole batch's
+        figures. Tensors ``[B, T]``; ``schedule``: the row indices of each mini-batch."""
+        if self.critic is None:
+            raise RuntimeError("this learner group was started without the critic")
+        payload = {"batch": batch, "mask": mask, "old_values": old_values, "returns": returns,
+                   "schedule": schedule}  # fmt: skip
+        try:
+            dist.broadcast_object_list([("critic", payload)], src=0)
+            return _fit_critic(*self.critic, payload, self.cfg, self.dp)
+        except RuntimeError as exc:
+            raise AnchorRLError(self._stopped(exc, "the critic's update")) from exc
+
+    def _stopped(self, exc: Exception, during: str = "the policy update") -> str:
         dead = [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
         who = ", ".join(f"{name} (exit code {code})" for name, code in dead) or "a learner rank"
         return (
-            f"{who} stopped during the policy update ({exc}); the run stopped before applying "
+            f"{who} stopped during {during} ({exc}); the run stopped before applying "
             "the step: resume it from its last checkpoint with anchor-rl train --resume RUN_DIR "
             "(any cluster.learners)"
         )
@@ -149,6 +181,17 @@ def _learner_main(
     optimizer, scheduler = make_optimizer(cfg, model.parameters())
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    critic = None
+    if state["critic"] is not None:  # a replica on this rank's policy (shared mode: its body)
+        from anchor_rl.trainer.critic import critic_optimizer, new_critic
+
+        value_model = new_critic(cfg, model)
+        if cfg.disable_dropout:
+            disable_dropout(value_model)
+        value_model.load_state_dict(state["critic"]["weights"])
+        value_optimizer = critic_optimizer(cfg, value_model)
+        value_optimizer.load_state_dict(state["critic"]["optimizer"])
+        critic = (value_model, value_optimizer)
     dp = DataParallel(rank, world)
     while True:
         message: list[Any] = [None]
@@ -156,9 +199,29 @@ def _learner_main(
         kind, payload = message[0]
         if kind == "stop":
             break
+        if kind == "critic":
+            assert critic is not None
+            _fit_critic(*critic, payload, cfg, dp)
+            continue
         ppo_update(
             model, optimizer, scheduler, payload["batch"], payload["mask"], payload["old_logp"],
             payload["ref_logp"], payload["adv"], payload["correct"], cfg, None,
             schedule=payload["schedule"], dp=dp,
         )  # fmt: skip
     dist.destroy_process_group()
+
+
+def _fit_critic(
+    critic: Critic,
+    optimizer: torch.optim.Optimizer,
+    payload: dict[str, Any],
+    cfg: TrainConfig,
+    dp: DataParallel,
+) -> dict[str, float]:
+    """``fit_values`` of this rank's share of the critic's update (the same call on every rank)."""
+    critic.train()
+    return fit_values(
+        critic, optimizer, payload["batch"], payload["mask"], payload["old_values"],
+        payload["returns"], payload["schedule"], value_clip=cfg.critic.value_clip,
+        micro_batch=cfg.optim.micro_batch_size, max_grad_norm=cfg.optim.grad_clip, dp=dp,
+    )  # fmt: skip

@@ -81,7 +81,11 @@ class Run:
         """The learner ranks 1..N-1 beside this process (rank 0), started on first use, after
         a resumed run has restored its optimiser."""
         if self.learners is None:
-            self.learners = LearnerGroup(self.cfg, self.policy, self.optimizer, self.scheduler)
+            critic = self.components.get("critic")
+            value = None if critic is None else (critic.critic, critic.optimizer)
+            self.learners = LearnerGroup(
+                self.cfg, self.policy, self.optimizer, self.scheduler, critic=value
+            )
         return self.learners
 
     def close(self) -> None:
@@ -379,7 +383,7 @@ def _assemble(
     records = setup.records
     for component in components.values():
         records = component.training_records(records)
-    return Run(
+    run = Run(
         cfg=cfg,
         run_dir=run_dir,
         task=task,
@@ -394,6 +398,10 @@ def _assemble(
         state=state,
         components=components,
     )
+    critic = components.get("critic")
+    if isinstance(critic, PPOCritic) and cfg.cluster.learners > 1:
+        critic.learners = run.learner_group  # the critic's update runs on the ranks too
+    return run
 
 
 def _seed_everything(seed: int) -> None:

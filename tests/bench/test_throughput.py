@@ -44,6 +44,10 @@ def test_stage_figures_by_hand_leave_out_the_warmup_step() -> None:
     assert single["steps"] == 1.0 and single["rollout_tok_s"] == pytest.approx(100 / 9)
     with pytest.raises(ValueError, match="no training step"):
         stage_figures(records[:1])
+    # asynchronous rollouts: time/generate is a wait, so no rollout tokens/s
+    stale = [{**r, "async/staleness": float(r["step"] > 1)} for r in records]
+    assert "rollout_tok_s" not in stage_figures(stale)
+    assert stage_figures(stale)["update_tok_s"] == 200.0
 
 
 def test_default_sizes_and_parameter_count() -> None:

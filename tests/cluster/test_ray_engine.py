@@ -3,13 +3,17 @@ as in one process, and rollouts that survive a worker killed with SIGKILL."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
+import sqlite3
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +232,59 @@ def test_a_worker_killed_during_a_call_is_restarted_and_its_shard_resampled(
     assert engine.restarts == restarts + 1
     assert f"(pid {stalled}) died during rollout" in caplog.text
     assert stalled not in engine.pids()
+
+
+DRIVER = Path(__file__).with_name("presample_driver.py")
+
+
+def _stats(db: Path) -> list[tuple]:
+    """The store's statistics rows, timestamps left out, in prompt order."""
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(
+            "SELECT key, prompt_id, n, n_correct, reward_sum FROM stats ORDER BY prompt_id"
+        ).fetchall()
+    except sqlite3.OperationalError:  # not created yet
+        return []
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_presample_on_workers_resumes_to_the_single_process_store(
+    tmp_path, one_thread
+) -> None:
+    """kill -9 of the driver while 2 Ray workers presample, then the same command again: the
+    store ends with exactly the rows one process writes (the driver is the only writer)."""
+    prompts, m = 96, 4
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+
+    def driver(db: Path, engine: str) -> list[str]:
+        return [sys.executable, str(DRIVER), str(db), str(prompts), str(m), engine]
+
+    killed = tmp_path / "ray.db"
+    proc = subprocess.Popen(driver(killed, "ray"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 180
+    try:
+        while len(_stats(killed)) < 8:
+            assert proc.poll() is None, f"driver exited early: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "the driver made no progress"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert 8 <= len(_stats(killed)) < prompts, "the kill must land mid-presample"
+    done = subprocess.run(driver(killed, "ray"), env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("presample_driver", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(str(tmp_path / "hf.db"), prompts, m, "hf")  # one process, one thread
+    rows = _stats(killed)
+    assert len(rows) == prompts and {r[2] for r in rows} == {m}
+    assert rows == _stats(tmp_path / "hf.db")  # same key, prompts, counts and reward sums

@@ -134,8 +134,37 @@ def test_a_dead_learner_rank_ends_the_update_clearly(one_thread) -> None:
 
 
 def test_what_learners_do_not_support_yet_is_refused() -> None:
-    with pytest.raises(ConfigError, match="cluster.learners > 1 with a critic .* not built yet"):
-        load_config("ppo", ["cluster.learners=2"])
+    assert load_config("ppo", ["cluster.learners=2"]).cluster.learners == 2  # the critic too
     with pytest.raises(ConfigError, match="on device=cuda is not built yet"):
         load_config("grpo", ["cluster.learners=2", "device=cuda"])
     assert not math.isnan(load_config("grpo", ["cluster.learners=2"]).optim.lr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["separate", "shared"])
+def test_a_ppo_run_on_two_learners_updates_the_critic_as_one_does(
+    mode, parity, tiny, tmp_path, one_thread
+) -> None:
+    """The critic's update runs data-parallel too: after 2 steps of PPO (two mini-batches a
+    step) the critic's weights, its loss and the policy are one process's within rounding."""
+    base = [*tiny, "steps=2", "eval.every=0", "optim.lr=1e-2", "critic.lr=1e-2",
+            "optim.mini_batches=2", "cluster.threads_per_learner=1", "optim.padding_free=off",
+            f"critic.mode={mode}"]  # fmt: skip
+    one = train(start_run(load_config("ppo", base), tmp_path / "one"))
+    two = train(start_run(load_config("ppo", [*base, "cluster.learners=2"]), tmp_path / "two"))
+    assert one.components["critic"].learners is None
+    assert two.components["critic"].learners is not None  # the update went to the ranks
+    a, b = read_metrics(one.run_dir), read_metrics(two.run_dir)
+    assert [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["reward/mean"] == rb["reward/mean"]
+        for key in ("critic/loss", "critic/vf_clipfrac", "critic/grad_norm", "loss/policy"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert all(r["critic/grad_norm"] > 0 for r in a)
+    critic_one = one.components["critic"].critic.state_dict()
+    critic_two = two.components["critic"].critic.state_dict()
+    for name, x in critic_one.items():  # 1% of lr, as above (Adam's first steps)
+        torch.testing.assert_close(x, critic_two[name], rtol=0, atol=1e-2 * 1e-2, msg=name)
+    for (name, x), y in zip(one.policy.state_dict().items(), two.policy.state_dict().values(),
+                            strict=True):  # fmt: skip
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-2 * 1e-2, msg=name)
