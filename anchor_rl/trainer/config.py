@@ -67,8 +67,8 @@ class RolloutConfig(_Section):
     this process with the policy's own weights. Every training, presampling and evaluation
     rollout goes through it; each response is seeded by (seed, stream, prompt, sample index)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Options of the engine's factory (`rollout.engine_args.max_batch=64` for `hf`: responses
-    generated together)."""
+    """Options of the engine's factory (for `hf`: `max_batch=64`, responses generated together;
+    `decode=auto|static|hf`, the decoding forward pass, docs/models.md)."""
 
     @field_validator("engine")
     @classmethod
