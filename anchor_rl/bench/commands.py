@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from anchor_rl.trainer.config import ConfigError
+from anchor_rl.trainer.config import ConfigError, builtin_names
 
 FUNCTION_SUITES = {
     "trl": "anchor_rl.bench.trl_compare:run_trl_suite",
@@ -23,14 +23,14 @@ FUNCTION_SUITES = {
 """Suites that are a function, not a suite file: ``fn(BenchArgs) -> {"summary_json",
 "summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""
 
+_BUILTIN_SUITES = sorted({*builtin_names("anchor_rl.bench", "suites"), *FUNCTION_SUITES})
+
 
 def bench(
     suite: Annotated[
         str,
         typer.Argument(
-            help="A built-in suite name (baselines, pvpo, pvpo_multihop, v05, vapo, baseline-mse, "
-            "trl, throughput) or a "
-            "suite TOML path."
+            help=f"A built-in suite name ({', '.join(_BUILTIN_SUITES)}) or a suite TOML path."
         ),
     ],
     overrides: Annotated[

@@ -232,6 +232,10 @@ def _check_tasks(specs: Sequence[RunSpec]) -> None:
 def run_spec(spec: RunSpec) -> None:
     """Train one run to completion: skip a finished one, resume a stopped one.
 
+    A finished run (its ``summary.json`` at the same step count) is skipped even without
+    checkpoints, so a directory of compact results (``scripts/compact_results.py``) can be
+    extended by new runs without re-running the old ones.
+
     A directory holding a run of a different config (besides ``steps`` and what it logs)
     is an error, never silently reused.
     """
@@ -240,12 +244,18 @@ def run_spec(spec: RunSpec) -> None:
     from anchor_rl.trainer.run import CONFIG_FILE, SUMMARY_FILE, resume_run, start_run
 
     stored = spec.run_dir / CONFIG_FILE
-    if stored.is_file() and list_checkpoints(spec.run_dir):
+    finished = (spec.run_dir / SUMMARY_FILE).is_file()
+    if stored.is_file() and (finished or list_checkpoints(spec.run_dir)):
         _check_same_run(spec, json.loads(stored.read_text()))
-        if (spec.run_dir / SUMMARY_FILE).is_file() and _stored_steps(spec) == spec.config.steps:
+        if finished and _stored_steps(spec) == spec.config.steps:
+            return  # finished: kept even when its checkpoints were pruned (compact results)
+        if list_checkpoints(spec.run_dir):
+            train(resume_run(spec.run_dir, {"steps": spec.config.steps}))
             return
-        train(resume_run(spec.run_dir, {"steps": spec.config.steps}))
-        return
+        raise ConfigError(
+            f"{spec.run_dir} holds a finished run of {_stored_steps(spec)} steps without a "
+            f"checkpoint to resume to {spec.config.steps}; pass another --out or delete it"
+        )
     if spec.run_dir.exists():
         shutil.rmtree(spec.run_dir)  # started but stopped before its first checkpoint
     train(start_run(spec.config, spec.run_dir))

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.rollout.decoders import DecodeMode
 from anchor_rl.rollout.engine import Request, make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
@@ -26,7 +27,8 @@ class RolloutWorker:
     generation_config: the driver model's (its eos ids end responses).
     dtype, device: of the copy's parameters (``cuda`` on a worker given a GPU).
     threads: torch intra-op threads of this process.
-    max_batch: the ``hf`` engine's option (responses generated together).
+    max_batch, decode: the ``hf`` engine's options (responses generated together; the
+        forward pass of generation).
     """
 
     def __init__(
@@ -39,13 +41,14 @@ class RolloutWorker:
         device: str,
         threads: int,
         max_batch: int,
+        decode: DecodeMode = "auto",
     ) -> None:
         torch.set_num_threads(threads)
         model = model_class(config)
         if generation_config is not None:
             model.generation_config = generation_config
         model = model.to(device=device, dtype=dtype).eval()
-        self.engine = make_engine("hf", model, tokenizer, max_batch=max_batch)
+        self.engine = make_engine("hf", model, tokenizer, max_batch=max_batch, decode=decode)
         self.synced = False
 
     def pid(self) -> int:

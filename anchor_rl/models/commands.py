@@ -66,6 +66,14 @@ def sft(
         Path | None,
         typer.Option(help="Model directory. Default: $ANCHOR_RL_CACHE/sft/<config hash>."),
     ] = None,
+    teacher: Annotated[
+        bool,
+        typer.Option(
+            "--teacher",
+            help="Train the task's built-in teacher (the model spec teacher:SIZE): every "
+            "training record, no curriculum, the teacher's step count.",
+        ),
+    ] = False,
 ) -> None:
     """Train a tiny model on the task's reference traces (loss on response tokens only).
 
@@ -77,6 +85,8 @@ def sft(
 
     from anchor_rl.models.factory import SIZES
     from anchor_rl.models.sft import TASK_DEFAULTS, default_config, is_complete, sft_dir, train_sft
+
+    role = "teacher" if teacher else "reference"
     from anchor_rl.tasks import TASKS
 
     if size not in SIZES:
@@ -92,13 +102,13 @@ def sft(
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
     cfg = default_config(
-        task, size, steps=steps, lr=lr, batch_size=batch_size, seed=seed, task_kwargs=kwargs,
+        task, size, role, steps=steps, lr=lr, batch_size=batch_size, seed=seed, task_kwargs=kwargs,
         data_kwargs=data,
     )  # fmt: skip
     cached = is_complete(sft_dir(cfg, out), cfg)
     source = "tuned for this task" if task in TASK_DEFAULTS else "generic defaults"
     typer.echo(
-        f"SFT {task}/{size}: steps={cfg.steps} lr={cfg.lr} batch_size={cfg.batch_size}"
+        f"SFT {task}/{size}{' teacher' if teacher else ''}: steps={cfg.steps} lr={cfg.lr} batch_size={cfg.batch_size}"
         + (f" data_kwargs={json.dumps(cfg.data_kwargs)}" if cfg.data_kwargs else "")
         + f" ({source})"
     )
@@ -112,6 +122,7 @@ def sft(
         task_kwargs=kwargs,
         data_kwargs=data,
         out=out,
+        role=role,
     )
     typer.echo(
         "cached, not retrained:" if cached else f"trained; loss curve: {path / 'loss_curve.png'}"

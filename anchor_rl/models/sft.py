@@ -6,7 +6,8 @@ result blocks carry no loss). Runs are cached by a hash of their configuration, 
 second call with the same settings returns the saved model at once.
 
 Per-task defaults (``TASK_DEFAULTS``) are tuned so the tiny reference sits in the middle
-of the difficulty range: see docs/testbed.md for the calibration.
+of the difficulty range: see docs/testbed.md for the calibration. The built-in teacher
+(``TEACHER_DEFAULTS``, the model spec ``teacher:SIZE``) trains longer on every record.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "arithmetic": {"steps": 2250, "lr": 3e-3, "batch_size": 32},
     "multihop": {"steps": 400, "lr": 3e-3, "batch_size": 32, "data_kwargs": {"hops": [2, 3]}},
 }
+# The built-in teacher (``teacher:SIZE``, PVPO's pi_gt): trained on all of the task's training
+# data, no curriculum (every hop of multihop), and past the reference's point of its learning
+# curve, so it solves what the reference cannot. Layered on TASK_DEFAULTS; a task without an
+# entry trains twice the reference's steps.
+TEACHER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "arithmetic": {"steps": 4000},
+    "multihop": {"steps": 600},
+}
+ROLES = ("reference", "teacher")
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,20 @@ class SFTConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def default_config(task: str, size: str = "tiny", **overrides: Any) -> SFTConfig:
-    """The config for ``task`` with its tuned defaults; ``None`` overrides are ignored."""
+def default_config(
+    task: str, size: str = "tiny", role: str = "reference", **overrides: Any
+) -> SFTConfig:
+    """The config for ``task`` with its tuned defaults; ``None`` overrides are ignored.
+
+    role: ``reference`` (the policy's warm start, ``TASK_DEFAULTS``) or ``teacher`` (the
+    same with ``TEACHER_DEFAULTS`` on top and no curriculum: every training record).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     values = {**GENERIC_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
+    if role == "teacher":
+        uncalibrated = {"data_kwargs": {}, "steps": 2 * values["steps"]}
+        values.update({**uncalibrated, **TEACHER_DEFAULTS.get(task, {})})
     values.update({k: v for k, v in overrides.items() if v is not None})
     for name in ("task_kwargs", "data_kwargs"):
         values[name] = dict(values.get(name) or {})  # None and {} hash alike
@@ -252,10 +273,12 @@ def train_sft(
     data_kwargs: dict[str, Any] | None = None,
     out: str | Path | None = None,
     progress: bool = True,
+    role: str = "reference",
 ) -> Path:
     """Train (or fetch from cache) the SFT reference for a task; returns its directory.
 
-    ``None`` arguments take the task's tuned defaults (``TASK_DEFAULTS``). Without
+    ``None`` arguments take the task's tuned defaults (``TASK_DEFAULTS``; with
+    ``role="teacher"``, the built-in teacher's: ``TEACHER_DEFAULTS``, no curriculum). Without
     ``out`` the model goes to ``cache_root() / "sft" / <config hash>``. A directory that
     already holds a finished run of the same config is returned without training; a run
     is written to a temporary sibling first and moved into place when complete.
@@ -263,6 +286,7 @@ def train_sft(
     cfg = default_config(
         task_name,
         size,
+        role,
         steps=steps,
         lr=lr,
         batch_size=batch_size,

@@ -4,6 +4,9 @@
 * ``sft:SIZE``: the SFT warm start of that size on the run's task (trained once, cached;
   see ``anchor_rl.models.sft.train_sft``; seed 0, so every seed of a sweep starts from
   the same reference),
+* ``teacher:SIZE``: the task's built-in teacher of that size: SFT on every training record
+  (no curriculum: multihop's 4-hop traces too), longer than the reference (trained once,
+  cached; PVPO's ``pvpo.teacher = "hf:teacher:small"``),
 * ``random:SIZE``: a random init of that size with the built-in tokenizer, seeded by the
   run's seed (for tests).
 """
@@ -38,7 +41,7 @@ def _load(
     spec: str, task: str, task_args: dict[str, Any], seed: int, device: str, progress: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     kind, _, size = spec.partition(":")
-    if kind in {"sft", "random"} and size:
+    if kind in {"sft", "teacher", "random"} and size:
         if size not in SIZES:
             raise AnchorRLError(f"model {spec!r}: unknown size {size!r}; sizes: {', '.join(SIZES)}")
         if kind == "random":
@@ -46,12 +49,13 @@ def _load(
             return build_model(size, tokenizer, seed=seed).to(device), tokenizer
         from anchor_rl.models.sft import train_sft
 
-        path = train_sft(task, size, task_kwargs=task_args or None, progress=progress)
+        role = "teacher" if kind == "teacher" else "reference"
+        path = train_sft(task, size, task_kwargs=task_args or None, progress=progress, role=role)
         return load_policy(path, device=device)
     if not (Path(spec) / "config.json").is_file():
         raise AnchorRLError(
             f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
-            "like sft:tiny or random:tiny"
+            "like sft:tiny, teacher:small or random:tiny"
         )
     return load_policy(spec, device=device)
 

@@ -47,8 +47,9 @@ class PVPOConfig(BaseModel):
     solves. `oracle`: the task's reference solution, written with probability 1 (log pi_gt =
     0, the ratio is pi_theta); `oracle:reference`: the same trace scored by the reference at
     the rollout temperature; `hf:MODEL`: a (larger) local model sharing the policy's
-    tokenizer, a directory or a spec such as `hf:sft:small`, with the log-probs it sampled
-    with; `http:URL`: an OpenAI-compatible /completions endpoint (vLLM, SGLang) serving
+    tokenizer, a directory or a spec such as `hf:teacher:small` (the task's built-in teacher:
+    the `small` size SFT-trained on every training record, no curriculum), with the log-probs
+    it sampled with; `http:URL`: an OpenAI-compatible /completions endpoint (vLLM, SGLang) serving
     `pvpo.teacher_model`; None (`pvpo.teacher=none`): no teacher."""
     teacher_model: str | None = None
     """Served model name of an `http:` teacher."""

@@ -185,6 +185,14 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     full = read_evals(run)
     assert read_evals(copy) == [{"step": e["step"], "test": e["test"]} for e in (full[0], full[-1])]
     assert (dest / "summary.json").is_file()
+    # ... and a suite re-run over compact results skips their finished runs (no checkpoints),
+    # refusing only to extend one it cannot resume
+    kept = copy / "metrics.jsonl"
+    before_copy = kept.stat().st_mtime_ns
+    run_suite(suite, BenchArgs(dest, echo=lambda _: None))
+    assert kept.stat().st_mtime_ns == before_copy
+    with pytest.raises(ConfigError, match="without a checkpoint"):
+        run_suite(suite, BenchArgs(dest, steps=3, echo=lambda _: None))
     # ... and a different config in the same directory is refused, not silently reused
     with pytest.raises(ConfigError, match="different config"):
         run_suite(suite, BenchArgs(out, overrides=["optim.lr=0.5"], echo=lambda _: None))

@@ -22,6 +22,7 @@ from helpers import metrics_but_timings
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.cluster import RayEngine
+from anchor_rl.cluster.worker import RolloutWorker
 from anchor_rl.rollout.engine import group_requests, make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.trainer.config import load_config
@@ -130,6 +131,17 @@ def test_a_second_cluster_address_in_one_process_is_refused(ray_local, tokenizer
 def test_workers_the_cluster_cannot_hold_are_refused(ray_local, tokenizer, tiny_model):
     with pytest.raises(ValueError, match=r"3 rollout workers x 1 CPU .* it has 2 CPU in all"):
         make_engine("ray", tiny_model, tokenizer, workers=3)
+
+
+def test_an_unknown_decode_mode_is_refused_before_any_worker_starts(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="decode must be one of auto, static, hf, got 'fast'"):
+        make_engine("ray", tiny_model, tokenizer, decode="fast")
+
+
+def test_a_worker_samples_with_the_decode_mode_it_was_given(tokenizer, tiny_model):
+    spec = (type(tiny_model), tiny_model.config, None, tokenizer, torch.float32, "cpu", 1, 8)
+    assert RolloutWorker(*spec, decode="hf").engine.decode == "hf"
+    assert RolloutWorker(*spec).engine.decode == "auto"
 
 
 # -- faults: the engine below lives for the rest of the module (keep these tests last: it

@@ -137,3 +137,50 @@ def test_data_kwargs_shape_the_sft_data_only(tmp_path, monkeypatch):
     assert seen == [{"hops": [2, 3], "seed": 1}]  # layered on task_kwargs
     assert sft.default_config("multihop").data_kwargs == {"hops": [2, 3]}
     assert sft.default_config("multihop", data_kwargs={}).data_kwargs == {}
+
+
+def test_the_teacher_role_trains_on_every_record_for_longer():
+    reference, teacher = (
+        sft.default_config("multihop"),
+        sft.default_config("multihop", "tiny", "teacher"),
+    )
+    assert (reference.steps, reference.data_kwargs) == (400, {"hops": [2, 3]})
+    assert (teacher.steps, teacher.data_kwargs) == (600, {})  # every hop: no curriculum
+    assert teacher.key() != reference.key()
+    assert sft.default_config("arithmetic", "small", "teacher").steps == 4000
+    assert sft.default_config("multihop", "tiny", "teacher", steps=5).steps == 5  # an override wins
+    with pytest.raises(ValueError, match="role must be one of reference, teacher, got 'oracle'"):
+        sft.default_config("multihop", "tiny", "oracle")
+
+
+def test_a_teacher_spec_loads_the_cached_teacher_sft(copy_task, monkeypatch):
+    from anchor_rl.models.spec import load_spec
+
+    monkeypatch.setitem(
+        sft.TASK_DEFAULTS, "copy", {"steps": 1, "batch_size": 2, "data_kwargs": {"x": 1}}
+    )
+    monkeypatch.setitem(sft.TEACHER_DEFAULTS, "copy", {"steps": 2})
+    model, _ = load_spec("teacher:tiny", "copy", {}, seed=0, device="cpu", progress=False)
+    stored = json.loads((sft.cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
+    assert (stored["steps"], stored["data_kwargs"], stored["batch_size"]) == (2, {}, 2)
+    assert model.config.hidden_size == 128  # the tiny size
+    load_spec("sft:tiny", "copy", {}, seed=0, device="cpu", progress=False)
+    assert (
+        len(list((sft.cache_root() / "sft").glob("*/sft_config.json"))) == 2
+    )  # not the same model
+
+
+def test_sft_cli_trains_the_teacher(copy_task, monkeypatch):
+    from typer.testing import CliRunner
+
+    from anchor_rl.cli import app
+
+    monkeypatch.setitem(anchor_rl.tasks.TASKS, "copy", CopyTask)
+    monkeypatch.setitem(sft.TASK_DEFAULTS, "copy", {"steps": 3})
+    result = CliRunner().invoke(app, ["sft", "--task", "copy", "--teacher", "--batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert (
+        "SFT copy/tiny teacher: steps=6" in result.output
+    )  # no teacher entry: 2 x the reference's
+    stored = json.loads((sft.cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
+    assert (stored["steps"], stored["data_kwargs"]) == (6, {})
