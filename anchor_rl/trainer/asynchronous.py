@@ -1,27 +1,31 @@
-"""Asynchronous rollouts (``cluster.async_steps = 1``): the next step's rollouts are sampled
-while this step's update runs, one step off-policy, as verl's one-step-off-policy recipe
-and OpenRLHF's async mode do.
+"""Asynchronous rollouts (``cluster.async_steps = k``): the next ``k`` steps' rollouts are
+sampled while this step's update runs, up to ``k`` steps off-policy, as verl's
+one-step-off-policy recipe (``k = 1``) and OpenRLHF's async mode do.
 
 Within a step the loop (:mod:`anchor_rl.trainer.loop`) collects its rollouts, then asks
-:class:`PrefetchingEngine` to start the next step's first rollout call (the next
-``prompts_per_step`` prompts of the stream, seeded as ever) before it scores log-probs and
-updates. The Ray workers sample it with the weights they hold, the ones before this
-update; the update's ``sync_weights`` reaches each worker after that rollout (a worker runs
-its calls in order). The next step's ``collect`` makes the same call and gets the
-prefetched batch; any other call (a second round of dynamic sampling, a V0.5 top-up, an
-evaluation) is sampled at once with the current weights.
+:class:`PrefetchingEngine` to have the first rollout call of each of the next ``k`` steps
+sent (the next ``k * prompts_per_step`` prompts of the stream, seeded as ever; calls sent
+by earlier steps stay pending and only the newest is added) before it scores log-probs and
+updates. The Ray workers sample them with the weights they hold, the ones before this
+update; the update's ``sync_weights`` reaches each worker after those rollouts (a worker
+runs its calls in order). A later step's ``collect`` makes the same call and gets the
+prefetched batch, sampled ``k`` updates earlier at most; any other call (a second round of
+dynamic sampling, a V0.5 top-up, an evaluation) is sampled at once with the current
+weights, and a prefetch the stream has moved past (dynamic sampling drew extra prompts) is
+discarded.
 
-A prefetched batch is stale by one update, so the ratio's denominator is the behaviour
-log-probs the engine returned with the tokens (the log-probs of the weights that sampled
-them; at ``top_p = 1`` they are the model's, temperature-scaled as the update's), on every
-row. With ``cluster.async_correction = "tis"`` the denominator is instead the current
-policy's log-probs (recomputed before the update) and each token's advantage is weighted by
-the truncated importance ratio ``min(pi_current / pi_behaviour, cluster.tis_cap)``, the
+A prefetched batch is stale, so the ratio's denominator is the behaviour log-probs the
+engine returned with the tokens (the log-probs of the weights that sampled them; at
+``top_p = 1`` they are the model's, temperature-scaled as the update's), on every row.
+With ``cluster.async_correction = "tis"`` the denominator is instead the current policy's
+log-probs (recomputed before the update) and each token's advantage is weighted by the
+truncated importance ratio ``min(pi_current / pi_behaviour, cluster.tis_cap)``, the
 token-level truncated importance sampling of verl's rollout correction.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,7 +49,7 @@ def _key(
 
 class PrefetchingEngine:
     """An engine with ``submit`` (:class:`~anchor_rl.cluster.engine.RayEngine`) that can start
-    one rollout call ahead: :meth:`prefetch` sends it, and the :meth:`rollout` call with the
+    rollout calls ahead: :meth:`prefetch` sends one, and the :meth:`rollout` call with the
     same arguments collects it.
 
     staleness: weight syncs between the sending and the collecting of the batches
@@ -64,7 +68,12 @@ class PrefetchingEngine:
         self.syncs = 0
         self.staleness = 0
         self.prefetched = self.discarded = 0
-        self._pending: tuple[tuple, Any, int] | None = None
+        self._pending: deque[tuple[tuple, Any, int]] = deque()  # (key, handle, syncs), sent order
+
+    @property
+    def pending(self) -> int:
+        """Prefetched calls sent and not collected yet."""
+        return len(self._pending)
 
     def prefetch(
         self,
@@ -74,11 +83,20 @@ class PrefetchingEngine:
         instruction: str | None = None,
     ) -> None:
         """Start ``rollout(requests, params, tools, instruction)`` now, with the workers'
-        current weights (a prefetch not collected yet is discarded)."""
-        if self._pending is not None:
-            self.discarded += 1
+        current weights; a call already pending is not sent again."""
+        key = _key(requests, params, tools, instruction)
+        if any(pending[0] == key for pending in self._pending):
+            return
         handle = self.engine.submit(requests, params, tools, instruction)
-        self._pending = (_key(requests, params, tools, instruction), handle, self.syncs)
+        self._pending.append((key, handle, self.syncs))
+
+    def retain(self, calls: Sequence[tuple]) -> None:
+        """Discard the pending prefetches that are none of ``calls`` (``rollout``'s positional
+        arguments): the ones the prompt stream has moved past."""
+        wanted = {_key(*call) for call in calls}
+        kept = deque(p for p in self._pending if p[0] in wanted)
+        self.discarded += len(self._pending) - len(kept)
+        self._pending = kept
 
     def rollout(
         self,
@@ -87,14 +105,15 @@ class PrefetchingEngine:
         tools: Mapping[str, Tool] | None = None,
         instruction: str | None = None,
     ) -> RolloutBatch:
-        """The prefetched batch when the arguments are the prefetched call's, else a rollout
+        """The prefetched batch when the arguments are a prefetched call's, else a rollout
         sampled now (see :class:`~anchor_rl.rollout.engine.Engine`)."""
-        pending = self._pending
-        if pending is not None and pending[0] == _key(requests, params, tools, instruction):
-            self._pending = None
-            self.prefetched += 1
-            self.staleness = max(self.staleness, self.syncs - pending[2])
-            return pending[1].result()
+        key = _key(requests, params, tools, instruction)
+        for i, (pending_key, handle, sent_at) in enumerate(self._pending):
+            if pending_key == key:
+                del self._pending[i]
+                self.prefetched += 1
+                self.staleness = max(self.staleness, self.syncs - sent_at)
+                return handle.result()
         return self.engine.rollout(requests, params, tools, instruction)
 
     def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -108,10 +127,10 @@ class PrefetchingEngine:
         return staleness
 
     def discard(self) -> None:
-        """Drop a prefetch not collected (the run ended before the step that would use it)."""
-        if self._pending is not None:
-            self._pending = None
-            self.discarded += 1
+        """Drop the prefetches not collected (the run ended before the steps that would use
+        them)."""
+        self.discarded += len(self._pending)
+        self._pending.clear()
 
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)

@@ -155,12 +155,28 @@ def generate(
     return engine.rollout(*rollout_call(task, records, draws, cfg, stream))
 
 
-def prefetch_next(engine: Any, sampler: PromptSampler, task: Task, cfg: TrainConfig) -> None:
-    """Start the next step's first rollout call on ``engine`` (a ``PrefetchingEngine``): the
-    next ``prompts_per_step`` prompts of the stream, without consuming them."""
+def prefetch_next(
+    engine: Any, sampler: PromptSampler, task: Task, cfg: TrainConfig, steps: int = 1
+) -> None:
+    """Have the first rollout call of each of the next ``steps`` steps sent on ``engine`` (a
+    ``PrefetchingEngine``): step ``j``'s ``prompts_per_step`` prompts of the stream, without
+    consuming them. Calls already pending stay; pending ones the stream has moved past are
+    discarded."""
     want = cfg.rollout.prompts_per_step
     first = sampler.consumed
-    engine.prefetch(*rollout_call(task, sampler.peek(want), range(first, first + want), cfg))
+    records = sampler.peek(want * steps)
+    calls = [
+        rollout_call(
+            task,
+            records[j * want : (j + 1) * want],
+            range(first + j * want, first + (j + 1) * want),
+            cfg,
+        )
+        for j in range(steps)
+    ]
+    engine.retain(calls)
+    for call in calls:
+        engine.prefetch(*call)
 
 
 def score(

@@ -370,10 +370,10 @@ class ClusterConfig(_Section):
     threads_per_learner: int = Field(0, ge=0)
     """torch threads of each spawned learner rank; 0: this process's thread count."""
     async_steps: int = Field(0, ge=0)
-    """1: the rollout workers sample the next step's rollouts with the previous weights while
-    this step's update runs (one step off-policy; the ratio's denominator is the behaviour
-    log-probs the engine returns). 0: every step samples with the latest weights. Needs
-    `rollout_workers` > 0 and `rollout.top_p` = 1."""
+    """k > 0: the rollout workers sample the next k steps' rollouts with the weights they hold
+    while this step's update runs (up to k steps off-policy; the ratio's denominator is the
+    behaviour log-probs the engine returns). 0: every step samples with the latest weights.
+    Needs `rollout_workers` > 0 and `rollout.top_p` = 1."""
     async_correction: Literal["none", "tis"] = "none"
     """With `async_steps`: `tis` takes the ratio's denominator from the current policy and
     weights each token's advantage by min(pi_current / pi_behaviour, `tis_cap`) (token-level
@@ -691,11 +691,6 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
         errors.append(f"component_args names {unlisted}, which components does not list")
 
     if cfg.cluster.async_steps:
-        if cfg.cluster.async_steps > 1:
-            errors.append(
-                f"cluster.async_steps={cfg.cluster.async_steps} is not built: one step off-policy "
-                "(async_steps=1) is"
-            )
         if not cfg.cluster.rollout_workers:
             errors.append(
                 "cluster.async_steps needs cluster.rollout_workers > 0: rollouts sampled in this "

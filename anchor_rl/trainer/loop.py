@@ -59,10 +59,11 @@ def train_step(run: Run) -> dict[str, float]:
     run.state.tokens += int(step.metrics["tokens/step"])
     scored, metrics = step.scored, step.metrics
     stale = bool(cfg.cluster.async_steps)
-    if stale:  # the next step's rollouts, sampled while this step updates
+    if stale:  # the next steps' rollouts, sampled while this step updates
         metrics["async/staleness"] = float(run.engine.take_staleness())
-        if run.state.step + 1 < cfg.steps:
-            prefetch_next(run.engine, run.sampler, run.task, cfg)
+        ahead = min(cfg.cluster.async_steps, cfg.steps - step.index)
+        if ahead > 0:
+            prefetch_next(run.engine, run.sampler, run.task, cfg, ahead)
     if len(scored):  # dynamic sampling can end a step with no group kept: nothing to learn from
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)

@@ -1,8 +1,11 @@
-"""Asynchronous rollouts (cluster.async_steps=1) on a local 2-CPU Ray: a prefetched rollout is
-sampled with the weights before the next sync, the ratio divides by the log-probs of the
-weights that sampled the tokens, truncated importance weights, and the refused settings."""
+"""Asynchronous rollouts (cluster.async_steps=1 and 2) on a local 2-CPU Ray: a prefetched
+rollout is sampled with the weights before the next sync, the ratio divides by the log-probs
+of the weights that sampled the tokens, the prefetch queue, truncated importance weights,
+and the refused settings."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,11 +57,14 @@ def test_a_prefetched_rollout_uses_the_weights_before_the_next_sync(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ahead", "steps", "staleness"), [(1, 3, [0.0, 1.0, 1.0]), (2, 4, [0.0, 1.0, 2.0, 2.0])]
+)
 def test_an_asynchronous_run_divides_by_the_weights_that_sampled(
-    ray_local, parity, tiny, tmp_path, one_thread
+    ray_local, parity, tiny, tmp_path, one_thread, ahead, steps, staleness
 ) -> None:
-    overrides = [*tiny, "steps=3", "optim.lr=1e-2", "cluster.rollout_workers=1",
-                 "cluster.async_steps=1", "rollout.engine_args.threads_per_worker=1"]  # fmt: skip
+    overrides = [*tiny, f"steps={steps}", "optim.lr=1e-2", "cluster.rollout_workers=1",
+                 f"cluster.async_steps={ahead}", "rollout.engine_args.threads_per_worker=1"]  # fmt: skip
     run = start_run(load_config("grpo", overrides), tmp_path / "async")
     initial = {k: v.clone() for k, v in run.policy.state_dict().items()}
     batches = []
@@ -73,19 +79,59 @@ def test_an_asynchronous_run_divides_by_the_weights_that_sampled(
     try:
         train(run)
         rows = [r for r in read_metrics(run.run_dir) if "async/staleness" in r]
-        assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
-        assert (engine.prefetched, engine.discarded) == (2, 0)  # none past the last step
-        # step 1 divides by the weights it updates (ratio 1); steps 2-3 by the previous ones
+        assert [r["async/staleness"] for r in rows] == staleness
+        assert (engine.prefetched, engine.discarded) == (steps - 1, 0)  # none past the last step
+        # step 1 divides by the weights it updates (ratio 1); later steps by earlier ones
         assert rows[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         assert all(abs(r["policy/ratio_mean"] - 1.0) > 1e-4 for r in rows[1:])
-        # step 2's rollouts (the second training call) are the initial weights' samples
+        # the rollouts of steps 2..1+ahead were all sent before the first update: they are
+        # the initial weights' samples
         model = build_model("tiny", run.tokenizer, seed=0)
         model.load_state_dict(initial)
-        with torch.no_grad():
-            logp, _ = token_logprobs(model.eval(), batches[1])
-        torch.testing.assert_close(batches[1].logprobs, logp, rtol=0, atol=1e-5)
+        for batch in batches[1 : 1 + ahead]:
+            with torch.no_grad():
+                logp, _ = token_logprobs(model.eval(), batch)
+            torch.testing.assert_close(batch.logprobs, logp, rtol=0, atol=1e-5)
     finally:
         engine.close()
+
+
+class _Submitting:
+    """An engine with ``submit`` that records what it was asked for (no sampling)."""
+
+    def __init__(self) -> None:
+        self.submitted, self.sampled_now = [], []
+
+    def submit(self, requests, params, tools=None, instruction=None):
+        self.submitted.append(requests[0].prompt)
+        return SimpleNamespace(result=lambda prompt=requests[0].prompt: f"prefetched {prompt}")
+
+    def rollout(self, requests, params, tools=None, instruction=None):
+        self.sampled_now.append(requests[0].prompt)
+        return f"now {requests[0].prompt}"
+
+    def sync_weights(self, state) -> None:
+        pass
+
+
+def test_prefetches_queue_in_order_and_the_ones_passed_by_are_discarded() -> None:
+    inner = _Submitting()
+    engine = PrefetchingEngine(inner)
+    a, b, c = (_requests(name) for name in "abc")
+    engine.prefetch(a, PARAMS)
+    engine.prefetch(b, PARAMS)
+    engine.prefetch(a, PARAMS)  # already pending: not sent again
+    assert inner.submitted == ["1+1=", "1+1="] and engine.pending == 2
+    engine.sync_weights({})
+    engine.sync_weights({})
+    assert engine.rollout(b, PARAMS) == "prefetched 1+1="  # b, sent 2 syncs ago
+    assert (engine.take_staleness(), engine.pending, engine.prefetched) == (2, 1, 1)
+    assert engine.rollout(c, PARAMS) == "now 1+1=" and inner.sampled_now == ["1+1="]
+    engine.retain([(c, PARAMS, None, None)])  # the stream moved past a
+    assert (engine.pending, engine.discarded) == (0, 1)
+    engine.prefetch(c, PARAMS)
+    engine.discard()
+    assert (engine.pending, engine.discarded) == (0, 2)
 
 
 def test_truncated_importance_weights_cap_and_mask() -> None:
@@ -102,7 +148,6 @@ def test_truncated_importance_weights_cap_and_mask() -> None:
     ("overrides", "message"),
     [
         (["cluster.async_steps=1"], "needs cluster.rollout_workers > 0"),
-        (["cluster.async_steps=2", "cluster.rollout_workers=1"], "async_steps=2 is not built"),
         (["cluster.async_steps=1", "cluster.rollout_workers=1", "rollout.top_p=0.9"],
          "needs rollout.top_p = 1"),
         (["cluster.async_correction=tis"], "cluster.async_correction has no effect"),
