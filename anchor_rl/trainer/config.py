@@ -254,6 +254,14 @@ class OptimConfig(_Section):
     ids restarting per row (Llama-architecture models; `on` fails for others, `auto` falls
     back); `off`: left-padded prompts and right-padded responses. The two agree within
     float rounding (1e-5 on log-probs); packing skips the padding's compute."""
+    autocast: Literal["off", "bf16"] = "off"
+    """`bf16`: the policy's and the reference's forward passes (re-scoring, reference
+    scoring, the update) under torch.autocast with bfloat16: bf16 matmuls, float32
+    weights, gradients, optimiser state and log-softmax. Per-token log-probs move by ~2e-3
+    on average against float32 (up to ~0.25 on rare tokens; docs/results.md, "bf16"), and
+    a bf16 forward depends on which rows share it, so the re-scored ratio starts at 1 only
+    within ~2e-2 (exactly 1 with the single-pass update of `rescore = auto`). The engine's
+    sampling and the critic stay float32. `off`: float32 throughout."""
 
 
 class EvalConfig(_Section):
@@ -369,6 +377,13 @@ class ClusterConfig(_Section):
     step one would. Checkpoints are rank 0's and resume on any count."""
     threads_per_learner: int = Field(0, ge=0)
     """torch threads of each spawned learner rank; 0: this process's thread count."""
+    learner_sharding: Literal["replicate", "fsdp"] = "replicate"
+    """How the learner ranks hold the policy: `replicate`, a whole copy and optimiser on each
+    rank (gradients all-reduced); `fsdp`, torch FSDP2 (`fully_shard` per decoder layer and
+    the root): each rank holds 1/N of the parameters, gradients and AdamW state, and rank 0
+    gathers the updated weights into the run's policy (rollouts, scoring, checkpoints) after
+    each update. `fsdp` scores the update in the padded layout and does not shard the
+    critic."""
     async_steps: int = Field(0, ge=0)
     """k > 0: the rollout workers sample the next k steps' rollouts with the weights they hold
     while this step's update runs (up to k steps off-policy; the ratio's denominator is the
@@ -706,6 +721,21 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     elif names := _changed(cfg.cluster, ("async_correction", "tis_cap")):
         errors.append(_no_effect("cluster", names, "they correct asynchronous rollouts"))
 
+    if cfg.cluster.learner_sharding == "fsdp":
+        if cfg.cluster.learners < 2:
+            errors.append(
+                _no_effect("cluster", ["learner_sharding"], "it shards over cluster.learners > 1")
+            )
+        if critic:
+            errors.append(
+                "cluster.learner_sharding=fsdp does not shard the critic yet (PPO, VAPO): use "
+                "cluster.learner_sharding=replicate"
+            )
+        if cfg.optim.padding_free == "on":
+            errors.append(
+                "cluster.learner_sharding=fsdp scores the update padded (the packed forward "
+                "bypasses the root module FSDP gathers through): set optim.padding_free=auto or off"
+            )
     if cfg.cluster.learners > 1 and not cfg.device.startswith("cpu"):
         errors.append(
             f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "

@@ -11,10 +11,19 @@ critic (PPO, VAPO) every rank also holds a critic replica and runs its share of 
 update the same way (``critic_update``; ``fit_values`` with ``dp``).
 Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of
 learners. A rank that dies ends the run with a clear error; its last checkpoint resumes it.
+
+With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
+shard of the policy (``distributed.shard_policy``) with its own shard of the AdamW state,
+loaded from the run's optimiser through torch.distributed.checkpoint's full state dicts.
+Rank 0 keeps the run's whole policy beside its shard, for the rollouts, the scoring and
+the checkpoints: after each update the ranks gather the new weights into it, and before a
+checkpoint (:meth:`LearnerGroup.consolidate`) the optimiser state into the run's
+optimiser, so a checkpoint is the same consolidated state as without sharding.
 """
 
 from __future__ import annotations
 
+import copy
 import socket
 from datetime import timedelta
 from typing import Any
@@ -30,7 +39,7 @@ from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
-from anchor_rl.trainer.distributed import DataParallel
+from anchor_rl.trainer.distributed import DataParallel, shard_policy
 from anchor_rl.trainer.update import make_optimizer, ppo_update
 
 TIMEOUT = timedelta(minutes=30)
@@ -84,10 +93,17 @@ class LearnerGroup:
                 "weights": {k: v.detach().cpu() for k, v in critic[0].state_dict().items()},
                 "optimizer": critic[1].state_dict(),
             }
+        sharded = cfg.cluster.learner_sharding == "fsdp"
+        if sharded:  # the optimiser by parameter name: the shards' optimisers load it
+            state["optimizer"] = _full_optimizer_state(policy, optimizer)
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
         self.critic = critic
-        self.dp = DataParallel(0, world)
+        self.dp = DataParallel(0, world, sharded)
+        # what the update trains: the run's own policy, or this rank's shard of a copy of it
+        self.trained = (policy, optimizer, scheduler)
+        if sharded:
+            self.trained = _sharded_learner(cfg, copy.deepcopy(policy), state)
 
     def update(
         self,
@@ -110,12 +126,31 @@ class LearnerGroup:
         }  # fmt: skip
         try:
             dist.broadcast_object_list([("update", payload)], src=0)
-            return ppo_update(
-                self.policy, self.optimizer, self.scheduler, batch, mask, old_logp, ref_logp,
+            model, optimizer, scheduler = self.trained
+            metrics = ppo_update(
+                model, optimizer, scheduler, batch, mask, old_logp, ref_logp,
                 adv, correct, self.cfg, None, schedule=schedule, dp=self.dp,
             )  # fmt: skip
+            if self.dp.sharded:  # the new weights into the run's policy; its schedule's step
+                self.policy.load_state_dict(_full_weights(model))
+                self.scheduler.load_state_dict(scheduler.state_dict())
+            return metrics
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc)) from exc
+
+    def consolidate(self) -> None:
+        """Bring the shards' optimiser state into the run's optimiser (before a checkpoint;
+        nothing to do for replicas, whose rank 0 optimiser is the run's)."""
+        if not self.dp.sharded:
+            return
+        try:
+            dist.broadcast_object_list([("consolidate", None)], src=0)
+            model, optimizer, _ = self.trained
+            _load_full_optimizer_state(
+                self.policy, self.optimizer, _full_optimizer_state(model, optimizer)
+            )
+        except RuntimeError as exc:
+            raise AnchorRLError(self._stopped(exc, "a checkpoint's consolidation")) from exc
 
     def critic_update(
         self,
@@ -178,9 +213,13 @@ def _learner_main(
     dist.broadcast_object_list(received, src=0)
     state = received[0]
     model.load_state_dict(state["weights"])
-    optimizer, scheduler = make_optimizer(cfg, model.parameters())
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    sharded = cfg.cluster.learner_sharding == "fsdp"
+    if sharded:
+        model, optimizer, scheduler = _sharded_learner(cfg, model, state)
+    else:
+        optimizer, scheduler = make_optimizer(cfg, model.parameters())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
     critic = None
     if state["critic"] is not None:  # a replica on this rank's policy (shared mode: its body)
         from anchor_rl.trainer.critic import critic_optimizer, new_critic
@@ -192,7 +231,7 @@ def _learner_main(
         value_optimizer = critic_optimizer(cfg, value_model)
         value_optimizer.load_state_dict(state["critic"]["optimizer"])
         critic = (value_model, value_optimizer)
-    dp = DataParallel(rank, world)
+    dp = DataParallel(rank, world, sharded)
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
@@ -203,12 +242,68 @@ def _learner_main(
             assert critic is not None
             _fit_critic(*critic, payload, cfg, dp)
             continue
+        if kind == "consolidate":  # rank 0 gathers the optimiser state
+            _full_optimizer_state(model, optimizer)
+            continue
         ppo_update(
             model, optimizer, scheduler, payload["batch"], payload["mask"], payload["old_logp"],
             payload["ref_logp"], payload["adv"], payload["correct"], cfg, None,
             schedule=payload["schedule"], dp=dp,
         )  # fmt: skip
+        if sharded:  # rank 0 gathers the new weights
+            _full_weights(model)
     dist.destroy_process_group()
+
+
+def _sharded_learner(
+    cfg: TrainConfig, model: torch.nn.Module, state: dict[str, Any]
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """This rank's FSDP2 shard of ``model`` (the whole policy, loaded) with its AdamW shard
+    and schedule, restored from ``state`` (the optimiser by parameter name). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    shard_policy(model, cfg.cluster.learners)
+    optimizer, scheduler = make_optimizer(cfg, model.parameters())
+    if state["optimizer"]["state"]:  # a resumed run's moments (a fresh AdamW has none)
+        set_optimizer_state_dict(
+            model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
+    scheduler.load_state_dict(state["scheduler"])
+    return model, optimizer, scheduler
+
+
+def _full_weights(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The sharded ``model``'s whole state dict, on rank 0's CPU (empty elsewhere). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s whole state keyed by parameter name (a sharded model's: on rank 0's CPU,
+    empty elsewhere; collective). An optimiser that has not stepped has no state: returned
+    empty as it is (torch.distributed.checkpoint would take a zero step to create one, which
+    counts in AdamW's bias correction)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if not optimizer.state:  # the same on every rank: the ranks step together
+        return {"state": {}, "param_groups": []}
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _load_full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load a by-name optimiser state into the optimiser of an unsharded ``model``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if state["state"]:
+        set_optimizer_state_dict(
+            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
 
 
 def _fit_critic(

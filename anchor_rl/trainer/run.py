@@ -97,8 +97,11 @@ class Run:
             self.learners = None
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step (sharded learners first consolidate their optimiser
+        state into the run's optimiser)."""
         self.state.consumed = self.sampler.consumed
+        if self.learners is not None:
+            self.learners.consolidate()
         return checkpoint.save_checkpoint(
             self.run_dir, self.state, self.policy, self.tokenizer, self.optimizer,
             self.scheduler, self.generator, self.cfg.checkpoint.keep, self.components,

@@ -12,6 +12,14 @@ of the whole mini-batch's loss whatever the micro-batch size.
 The loss is a sum of named terms (:func:`loss_terms`): the clipped policy loss, the KL
 to the reference when it is in the loss, an NLL term on correct responses. A critic adds
 its value loss there.
+
+``optim.autocast = "bf16"`` runs the policy's and the reference's forward passes (the
+re-scoring, the reference's scoring and the update's) under ``torch.autocast`` with
+bfloat16 (:func:`forward_precision`): the matmuls run in bf16, while the weights, their
+gradients, the optimiser state and the log-softmax stay float32. The re-scoring and the
+update use the same precision, so the first mini-batch's ratio is 1 up to the bf16
+forward's dependence on which rows share it (about 2e-2 at most; exactly 1 in the
+single-pass update, whose denominator is its own forward).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
@@ -47,17 +56,27 @@ def score_logprobs(
     was_training = model.training
     model.eval()
     try:
-        logp, entropy = token_logprobs(
-            model,
-            batch,
-            with_entropy=with_entropy,
-            micro_batch=cfg.optim.micro_batch_size,
-            temperature=cfg.rollout.temperature,
-            packed=packed(cfg),
-        )
+        with forward_precision(model, cfg):
+            logp, entropy = token_logprobs(
+                model,
+                batch,
+                with_entropy=with_entropy,
+                micro_batch=cfg.optim.micro_batch_size,
+                temperature=cfg.rollout.temperature,
+                packed=packed(cfg),
+            )
     finally:
         model.train(was_training)
     return logp.cpu(), None if entropy is None else entropy.cpu()
+
+
+def forward_precision(model: torch.nn.Module, cfg: TrainConfig) -> AbstractContextManager:
+    """The context of a scoring or update forward pass of ``model``: ``torch.autocast`` to
+    bfloat16 on the model's device for ``optim.autocast = "bf16"``, else nothing."""
+    if cfg.optim.autocast == "off":
+        return nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
 def packed(cfg: TrainConfig) -> bool | None:
@@ -248,19 +267,25 @@ def _accumulate(
     tokens = mask[rows].sum().clamp(min=1)
     stats: dict[str, float] = defaultdict(float)
     mine = rows if dp is None else dp.shard(rows)
-    parts = torch.split(mine, cfg.optim.micro_batch_size or len(mine)) if len(mine) else ()
+    parts = list(torch.split(mine, cfg.optim.micro_batch_size or len(mine))) if len(mine) else []
+    lockstep = None if dp is None else dp.micro_batches(len(rows), cfg.optim.micro_batch_size)
+    layout = packed(cfg)
+    if lockstep is not None:  # FSDP: every rank makes the same passes; the padded layout
+        layout = False
+        _zero_weight_passes(model, batch.select(rows[:1]), lockstep - len(parts), cfg)
     single = old_logp is None
     own: list[tuple[Tensor, Tensor]] = []
     for part in parts:
         m, c = mask[part].to(device), correct[part].to(device)
         ref = None if ref_logp is None else ref_logp[part].to(device)
-        logp, entropy = token_logprobs(
-            model,
-            batch.select(part),
-            with_entropy=single,
-            temperature=cfg.rollout.temperature,
-            packed=packed(cfg),
-        )
+        with forward_precision(model, cfg):  # the backward runs outside autocast
+            logp, entropy = token_logprobs(
+                model,
+                batch.select(part),
+                with_entropy=single,
+                temperature=cfg.rollout.temperature,
+                packed=layout,
+            )
         if single:
             assert entropy is not None
             own.append((logp.detach(), entropy.detach()))
@@ -281,6 +306,18 @@ def _accumulate(
             seen[key] = torch.zeros(mask.shape)
             seen[key][mine] = torch.cat([pair[i] for pair in own]).cpu()
     return stats
+
+
+def _zero_weight_passes(
+    model: torch.nn.Module, row: RolloutBatch, passes: int, cfg: TrainConfig
+) -> None:
+    """``passes`` forward and backward passes of ``row`` whose loss is weighted 0: the
+    collectives of a sharded model's passes that this rank has no rows for (a rank's
+    gradients gain nothing)."""
+    for _ in range(passes):
+        with forward_precision(model, cfg):
+            logp, _ = token_logprobs(model, row, temperature=cfg.rollout.temperature, packed=False)
+        (logp.sum() * 0.0).backward()
 
 
 def _count(weight: Tensor, mode: str) -> float:

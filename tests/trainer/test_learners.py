@@ -16,6 +16,7 @@ from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.learners import LearnerGroup
 from anchor_rl.trainer.logging import read_metrics
@@ -40,6 +41,7 @@ def _batch() -> RolloutBatch:
 ADV = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
 
 
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
 @pytest.mark.parametrize(
     ("agg", "by_hand"),
     [
@@ -49,7 +51,9 @@ ADV = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
         ("seq-mean-token-mean", -(1 - 2 + 0.5 + 3 - 1) / 5),
     ],
 )
-def test_two_learners_compute_the_whole_batchs_loss_and_step(agg, by_hand, one_thread) -> None:
+def test_two_learners_compute_the_whole_batchs_loss_and_step(
+    agg, by_hand, sharding, one_thread
+) -> None:
     # padded layout: the packed one lays out each rank's shard differently from the whole
     # batch, which changes the rounding of the forward too (tests/models: packed == padded)
     cfg = load_config(
@@ -72,9 +76,20 @@ def test_two_learners_compute_the_whole_batchs_loss_and_step(agg, by_hand, one_t
     two, old2 = fresh()
     opt2, sched2 = make_optimizer(cfg, two.parameters())
     group = LearnerGroup(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
-        update={"learners": 2, "threads_per_learner": 1})}), two, opt2, sched2)  # fmt: skip
+        update={"learners": 2, "threads_per_learner": 1, "learner_sharding": sharding})}),
+        two, opt2, sched2)  # fmt: skip
     try:
         sharded = group.update(batch, mask, old2, None, adv, ADV > 0, [torch.arange(5)])
+        if sharding == "fsdp":  # rank 0 trains a half of the weights beside the run's policy
+            trained = group.trained[0]
+            local = sum(p.to_local().numel() for p in trained.parameters())
+            assert local <= sum(p.numel() for p in two.parameters()) / 2 + 1000
+            group.consolidate()  # the shards' AdamW moments, in the run's optimiser
+            moments = [opt2.state[p]["exp_avg"] for p in two.parameters()]
+            assert all(m.shape == p.shape for m, p in zip(moments, two.parameters(), strict=True))
+            torch.testing.assert_close(
+                moments[0], opt.state[next(one.parameters())]["exp_avg"], rtol=1e-4, atol=1e-9
+            )
     finally:
         group.close()
     assert single["loss/policy"] == pytest.approx(by_hand, rel=1e-6)
@@ -89,12 +104,18 @@ def test_two_learners_compute_the_whole_batchs_loss_and_step(agg, by_hand, one_t
 
 
 @pytest.mark.slow
-def test_a_seeded_run_on_two_learners_matches_one(parity, tiny, tmp_path, one_thread) -> None:
-    # padded layout, as in the test above: packing each rank's shard changes the rounding
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_a_seeded_run_on_two_learners_matches_one(
+    sharding, parity, tiny, tmp_path, one_thread
+) -> None:
+    # padded layout, as in the test above: packing each rank's shard changes the rounding.
+    # 3 steps of 2 mini-batches: with fsdp the run's policy is the ranks' gathered shards
     base = [*tiny, "steps=3", "eval.every=0", "optim.lr=1e-2", "optim.mini_batches=2",
             "cluster.threads_per_learner=1", "optim.padding_free=off"]  # fmt: skip
     one = train(start_run(load_config("grpo", base), tmp_path / "one"))
-    two = train(start_run(load_config("grpo", [*base, "cluster.learners=2"]), tmp_path / "two"))
+    two = train(start_run(load_config("grpo", [*base, "cluster.learners=2",
+                                               f"cluster.learner_sharding={sharding}"]),
+                          tmp_path / "two"))  # fmt: skip
     a, b = read_metrics(one.run_dir), read_metrics(two.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b, strict=True):
@@ -107,11 +128,18 @@ def test_a_seeded_run_on_two_learners_matches_one(parity, tiny, tmp_path, one_th
         torch.testing.assert_close(x, y, rtol=0, atol=1e-2 * 1e-2, msg=name)  # 1% of lr, as above
 
 
-def test_a_run_on_two_learners_resumes_on_one(parity, tiny, tmp_path, one_thread) -> None:
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_a_run_on_two_learners_resumes_on_one(sharding, parity, tiny, tmp_path, one_thread) -> None:
     base = [*tiny, "eval.every=0", "checkpoint.every=1", "cluster.threads_per_learner=1"]
-    two = train(start_run(load_config("grpo", [*base, "steps=2", "cluster.learners=2"]),
+    two = train(start_run(load_config("grpo", [*base, "steps=2", "cluster.learners=2",
+                                               f"cluster.learner_sharding={sharding}"]),
                           tmp_path / "run"))  # fmt: skip
-    resumed = train(resume_run(two.run_dir, {"steps": 3, "cluster.learners": 1}))
+    # the checkpoint holds the whole AdamW state of the 2 steps (consolidated from the shards)
+    saved = torch.load(list_checkpoints(two.run_dir)[-1] / "optimizer.pt", weights_only=True)
+    assert len(saved["state"]) == len(list(two.policy.parameters()))
+    assert all(float(entry["step"]) == 2 for entry in saved["state"].values())
+    resumed = train(resume_run(two.run_dir, {"steps": 3, "cluster.learners": 1,
+                                             "cluster.learner_sharding": "replicate"}))  # fmt: skip
     assert resumed.cfg.cluster.learners == 1 and resumed.learners is None  # never started
     assert [r["step"] for r in read_metrics(resumed.run_dir)] == [1, 2, 3]
 
@@ -138,6 +166,13 @@ def test_what_learners_do_not_support_yet_is_refused() -> None:
     with pytest.raises(ConfigError, match="on device=cuda is not built yet"):
         load_config("grpo", ["cluster.learners=2", "device=cuda"])
     assert not math.isnan(load_config("grpo", ["cluster.learners=2"]).optim.lr)
+    fsdp = ["cluster.learners=2", "cluster.learner_sharding=fsdp"]
+    with pytest.raises(ConfigError, match="does not shard the critic yet"):
+        load_config("ppo", fsdp)
+    with pytest.raises(ConfigError, match="scores the update padded"):
+        load_config("grpo", [*fsdp, "optim.padding_free=on"])
+    with pytest.raises(ConfigError, match="learner_sharding has no effect"):
+        load_config("grpo", ["cluster.learner_sharding=fsdp"])
 
 
 @pytest.mark.slow
