@@ -143,7 +143,9 @@ def read_evals(run_dir: Path) -> list[dict[str, Any]]:
 def pack_counts(entry: dict[str, Any]) -> dict[str, Any]:
     """An evaluation split's ``{"k", "correct": {id: count}}`` as ``{"k", "ids", "counts"}``
     when its ids are ``ids.format(i)`` for i = 0, 1, ... and every count is one digit (a
-    thousand prompts in about a kilobyte); the entry unchanged otherwise."""
+    thousand prompts in about a kilobyte); the entry unchanged otherwise (a packed one too)."""
+    if "correct" not in entry:
+        return entry
     correct = entry["correct"]
     ids = list(correct)
     stem = ids[0].rsplit("-", 1)[0] + "-{}" if ids else ""

@@ -42,6 +42,7 @@ def test_packed_counts_read_back_as_written(tmp_path) -> None:
     packed = pack_counts(entry)
     assert packed == {"k": 2, "ids": "arithmetic-test-{}", "counts": "012012012012"}
     assert unpack_counts(packed) == entry
+    assert pack_counts(packed) == packed  # packing twice (compacting a compact tree) is a no-op
     run = tmp_path / "run"
     run.mkdir()
     (run / "evals.jsonl").write_text(json.dumps({"step": 0, "test": packed}) + "\n")
