@@ -25,7 +25,8 @@ one thread each, both, 1 worker with asynchronous rollouts (``cluster.async_step
 process with one thread on the plain paths (the model's own forward for decoding,
 ``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update as
 they were before the static cache and packing); the driver then has one thread. Layout
-``b`` is the one process with its forward passes in bf16 (``optim.autocast=bf16``). A row's
+``b`` is the one process with its forward passes in bf16 (``optim.autocast=bf16``), ``l2f``
+the 2 learners sharded with FSDP2 (``cluster.learner_sharding=fsdp``). A row's
 ``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
 one process at the machine's threads (today's default).
 Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
@@ -62,10 +63,14 @@ class Layout:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
-def _cluster(workers: int = 0, learners: int = 1, async_steps: int = 0) -> dict[str, Any]:
+def _cluster(
+    workers: int = 0, learners: int = 1, async_steps: int = 0, sharding: str = "replicate"
+) -> dict[str, Any]:
     cluster: dict[str, Any] = {"rollout_workers": workers, "learners": learners}
     if async_steps:
         cluster["async_steps"] = async_steps
+    if sharding != "replicate":
+        cluster["learner_sharding"] = sharding
     table: dict[str, Any] = {"cluster": cluster}
     if workers:
         table["rollout"] = {"engine_args": {"threads_per_worker": 1, "num_cpus_per_worker": 1}}
@@ -80,6 +85,7 @@ LAYOUTS: dict[str, Layout] = {
     "w1": Layout("1 rollout worker", 1, _cluster(workers=1)),
     "w2": Layout("2 rollout workers", 1, _cluster(workers=2)),
     "l2": Layout("2 learners", 1, _cluster(learners=2)),
+    "l2f": Layout("2 learners, fsdp", 1, _cluster(learners=2, sharding="fsdp")),
     "w2l2": Layout("2 workers, 2 learners", 1, _cluster(workers=2, learners=2)),
     "w1a": Layout("1 rollout worker, async", 1, _cluster(workers=1, async_steps=1)),
     "b": Layout("1 process, bf16", None, {"optim": {"autocast": "bf16"}}),

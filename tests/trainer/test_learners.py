@@ -142,6 +142,12 @@ def test_a_run_on_two_learners_resumes_on_one(sharding, parity, tiny, tmp_path, 
                                              "cluster.learner_sharding": "replicate"}))  # fmt: skip
     assert resumed.cfg.cluster.learners == 1 and resumed.learners is None  # never started
     assert [r["step"] for r in read_metrics(resumed.run_dir)] == [1, 2, 3]
+    # and back onto 2 learners: the ranks load the checkpoint's optimiser state (3 steps)
+    again = train(resume_run(two.run_dir, {"steps": 4, "cluster.learners": 2,
+                                           "cluster.learner_sharding": sharding}))  # fmt: skip
+    assert [r["step"] for r in read_metrics(again.run_dir)] == [1, 2, 3, 4]
+    saved = torch.load(list_checkpoints(again.run_dir)[-1] / "optimizer.pt", weights_only=True)
+    assert all(float(entry["step"]) == 4 for entry in saved["state"].values())
 
 
 @pytest.mark.slow
