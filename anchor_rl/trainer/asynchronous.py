@@ -55,7 +55,8 @@ class PrefetchingEngine:
     staleness: weight syncs between the sending and the collecting of the batches
         :meth:`rollout` returned since :meth:`take_staleness` last read it (the largest).
     prefetched: prefetched calls collected; discarded: prefetched calls never collected
-        (their rollouts were sampled but not trained on).
+        (their rollouts were sampled but not trained on); :meth:`take_discarded` counts
+        their responses, a cost the run adds to its rollouts.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -68,7 +69,9 @@ class PrefetchingEngine:
         self.syncs = 0
         self.staleness = 0
         self.prefetched = self.discarded = 0
-        self._pending: deque[tuple[tuple, Any, int]] = deque()  # (key, handle, syncs), sent order
+        self._discarded_responses = 0
+        # (key, handle, syncs when sent, responses), in sent order
+        self._pending: deque[tuple[tuple, Any, int, int]] = deque()
 
     @property
     def pending(self) -> int:
@@ -88,15 +91,13 @@ class PrefetchingEngine:
         if any(pending[0] == key for pending in self._pending):
             return
         handle = self.engine.submit(requests, params, tools, instruction)
-        self._pending.append((key, handle, self.syncs))
+        self._pending.append((key, handle, self.syncs, len(requests)))
 
     def retain(self, calls: Sequence[tuple]) -> None:
         """Discard the pending prefetches that are none of ``calls`` (``rollout``'s positional
         arguments): the ones the prompt stream has moved past."""
         wanted = {_key(*call) for call in calls}
-        kept = deque(p for p in self._pending if p[0] in wanted)
-        self.discarded += len(self._pending) - len(kept)
-        self._pending = kept
+        self._drop([p for p in self._pending if p[0] not in wanted])
 
     def rollout(
         self,
@@ -108,7 +109,7 @@ class PrefetchingEngine:
         """The prefetched batch when the arguments are a prefetched call's, else a rollout
         sampled now (see :class:`~anchor_rl.rollout.engine.Engine`)."""
         key = _key(requests, params, tools, instruction)
-        for i, (pending_key, handle, sent_at) in enumerate(self._pending):
+        for i, (pending_key, handle, sent_at, _) in enumerate(self._pending):
             if pending_key == key:
                 del self._pending[i]
                 self.prefetched += 1
@@ -129,8 +130,17 @@ class PrefetchingEngine:
     def discard(self) -> None:
         """Drop the prefetches not collected (the run ended before the steps that would use
         them)."""
-        self.discarded += len(self._pending)
-        self._pending.clear()
+        self._drop(list(self._pending))
+
+    def take_discarded(self) -> int:
+        """Responses of the discarded prefetches since the last call (0 then)."""
+        count, self._discarded_responses = self._discarded_responses, 0
+        return count
+
+    def _drop(self, dropped: list[tuple[tuple, Any, int, int]]) -> None:
+        self.discarded += len(dropped)
+        self._discarded_responses += sum(p[3] for p in dropped)
+        self._pending = deque(p for p in self._pending if p not in dropped)
 
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)

@@ -64,6 +64,7 @@ def train_step(run: Run) -> dict[str, float]:
         ahead = min(cfg.cluster.async_steps, cfg.steps - step.index)
         if ahead > 0:
             prefetch_next(run.engine, run.sampler, run.task, cfg, ahead)
+        run.state.discarded += run.engine.take_discarded()
     if len(scored):  # dynamic sampling can end a step with no group kept: nothing to learn from
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)

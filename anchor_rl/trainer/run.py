@@ -288,14 +288,18 @@ def counters(run: Run) -> dict[str, float]:
     """The cumulative counters as metrics: the policy's ``rollouts/cumulative`` and
     ``tokens/cumulative``, the verifier calls that raised or timed out (``verifier/failures``,
     ``verifier/timeouts``; they scored 0), each component's (PVPO's ``rollouts/presample`` and
-    ``rollouts/refresh``, VAPO's ``rollouts/value_pretrain``...), and ``rollouts/total``,
-    the policy's rollouts plus every component's ``rollouts/*``."""
+    ``rollouts/refresh``, VAPO's ``rollouts/value_pretrain``...), an asynchronous run's
+    ``rollouts/discarded`` (prefetched, never used), and ``rollouts/total``, the policy's
+    rollouts plus all of those."""
     out = {
         "rollouts/cumulative": float(run.state.rollouts),
         "tokens/cumulative": float(run.state.tokens),
     }
     out |= {f"verifier/{k}": float(v) for k, v in run.task.verifier_stats().items()}
     total = float(run.state.rollouts)
+    if run.state.discarded:  # asynchronous prefetches the stream moved past
+        out["rollouts/discarded"] = float(run.state.discarded)
+        total += run.state.discarded
     for component in run.components.values():
         extra = component.counters()
         total += sum(v for k, v in extra.items() if k.startswith("rollouts/"))

@@ -18,5 +18,8 @@ class TrainState:
     """Responses the policy generated so far, filtered ones and top-ups included."""
     tokens: int = 0
     """Policy tokens generated so far, filtered ones included."""
+    discarded: int = 0
+    """Responses sampled ahead for asynchronous steps and never used (the prompt stream moved
+    past them): a cost, counted in ``rollouts/total``."""
     elapsed: float = 0.0
     """Wall-clock seconds spent in completed steps, evaluation and checkpoints."""

@@ -127,11 +127,13 @@ def test_prefetches_queue_in_order_and_the_ones_passed_by_are_discarded() -> Non
     assert engine.rollout(b, PARAMS) == "prefetched 1+1="  # b, sent 2 syncs ago
     assert (engine.take_staleness(), engine.pending, engine.prefetched) == (2, 1, 1)
     assert engine.rollout(c, PARAMS) == "now 1+1=" and inner.sampled_now == ["1+1="]
+    assert engine.take_discarded() == 0
     engine.retain([(c, PARAMS, None, None)])  # the stream moved past a
     assert (engine.pending, engine.discarded) == (0, 1)
+    assert engine.take_discarded() == len(a) and engine.take_discarded() == 0  # a cost, once
     engine.prefetch(c, PARAMS)
     engine.discard()
-    assert (engine.pending, engine.discarded) == (0, 2)
+    assert (engine.pending, engine.discarded, engine.take_discarded()) == (0, 2, len(c))
 
 
 def test_truncated_importance_weights_cap_and_mask() -> None:
