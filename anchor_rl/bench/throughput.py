@@ -25,7 +25,8 @@ one thread each, both, 1 worker with asynchronous rollouts (``cluster.async_step
 process with one thread on the plain paths (the model's own forward for decoding,
 ``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update as
 they were before the static cache and packing); the driver then has one thread. Layout
-``b`` is the one process with its forward passes in bf16 (``optim.autocast=bf16``), ``l2f``
+``t1b`` is the one process at one thread with its forward passes in bf16
+(``optim.autocast=bf16``), ``l2f``
 the 2 learners sharded with FSDP2 (``cluster.learner_sharding=fsdp``). A row's
 ``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
 one process at the machine's threads (today's default).
@@ -88,7 +89,7 @@ LAYOUTS: dict[str, Layout] = {
     "l2f": Layout("2 learners, fsdp", 1, _cluster(learners=2, sharding="fsdp")),
     "w2l2": Layout("2 workers, 2 learners", 1, _cluster(workers=2, learners=2)),
     "w1a": Layout("1 rollout worker, async", 1, _cluster(workers=1, async_steps=1)),
-    "b": Layout("1 process, bf16", None, {"optim": {"autocast": "bf16"}}),
+    "t1b": Layout("1 process, 1 thread, bf16", 1, {"optim": {"autocast": "bf16"}}),
     "t1p": Layout(
         "1 process, 1 thread, plain",
         1,
