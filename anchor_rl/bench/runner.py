@@ -21,6 +21,7 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     [profiles.quick]                    # optional: a named layer picked with --profile/--quick
     steps = 2
     per_preset = { pvpo = { pvpo = { m = 2 } } }   # a profile may hold per-preset settings too
+    variants = { n4 = { rollout = { n = 2 } } }    # and per-variant ones (after the variant's)
 
     runs = ["grpo+n4", "dapo"]          # optional: only these cells of presets x variants
     target_accuracy = 0.5               # optional: wall time and rollouts to reach it and stay
@@ -29,7 +30,8 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
                                         #   (default: the first label)
 
 Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
-``per_preset`` last), the variant, ``seed``, the command line (``--steps``, ``key=value``). Every run's config is validated before the first
+``per_preset`` last), the variant, the profile's settings for that variant, ``seed``, the
+command line (``--steps``, ``key=value``). Every run's config is validated before the first
 run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
 from their checkpoint, so re-running a suite command continues it.
 """
@@ -185,6 +187,9 @@ def plan(
         cli["steps"] = steps
     chosen = dict(suite.profiles.get(profile, {})) if profile else {}
     profile_per_preset = chosen.pop("per_preset", {})
+    profile_variants = chosen.pop("variants", {})
+    if unknown := sorted(set(profile_variants) - set(suite.variants)):
+        raise ConfigError(f"suite {suite.name!r}, profile {profile!r}: no variants {unknown}")
     # every preset bare and crossed with each variant; without `runs`, the bare presets run
     # only when the suite has no variants
     variants = {"": {}, **suite.variants}
@@ -202,7 +207,8 @@ def plan(
                 table = read_preset(preset)
                 layers = (
                     suite.base, suite.per_preset.get(preset, {}), chosen,
-                    profile_per_preset.get(preset, {}), settings, {"seed": seed},
+                    profile_per_preset.get(preset, {}), settings,
+                    profile_variants.get(variant, {}), {"seed": seed},
                 )  # fmt: skip
                 for layer in layers:
                     table = _merge(table, layer)

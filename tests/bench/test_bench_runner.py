@@ -113,6 +113,23 @@ def test_runs_may_name_a_bare_preset_beside_its_variants(tmp_path) -> None:
     )
     specs = plan(load_suite(str(suite)), tmp_path)
     assert [(s.label, s.config.optim.lr) for s in specs] == [("grpo", 3e-5), ("grpo+fast", 1e-3)]
+    # a profile's settings for one variant apply after the variant's own
+    suite.write_text(
+        'presets = ["grpo"]\nseeds = [0]\nruns = ["grpo", "grpo+fast"]\n'
+        "[variants.fast]\noptim = { lr = 1e-3 }\nsteps = 400\n"
+        "[profiles.quick]\nsteps = 2\n[profiles.quick.variants.fast]\nsteps = 3\n"
+    )
+    specs = plan(load_suite(str(suite)), tmp_path, profile="quick")
+    assert [(s.label, s.config.steps, s.config.optim.lr) for s in specs] == [
+        ("grpo", 2, 3e-5), ("grpo+fast", 3, 1e-3),
+    ]  # fmt: skip
+    assert [s.config.steps for s in plan(load_suite(str(suite)), tmp_path)] == [100, 400]
+    suite.write_text(
+        'presets = ["grpo"]\nseeds = [0]\n[variants.fast]\nsteps = 4\n'
+        "[profiles.quick.variants.slow]\nsteps = 3\n"
+    )
+    with pytest.raises(ConfigError, match=r"profile 'quick': no variants \['slow'\]"):
+        plan(load_suite(str(suite)), tmp_path, profile="quick")
     suite.write_text('presets = ["grpo"]\nseeds = [0]\n[variants.fast]\noptim = { lr = 1e-3 }\n')
     assert [s.label for s in plan(load_suite(str(suite)), tmp_path)] == ["grpo+fast"]
 
