@@ -95,6 +95,8 @@ def default_config(
 
     role: ``reference`` (the policy's warm start, ``TASK_DEFAULTS``) or ``teacher`` (the
     same with ``TEACHER_DEFAULTS`` on top and no curriculum: every training record).
+    ``task_kwargs`` the task names in ``scoring_kwargs`` (multihop's ``reward``) are dropped:
+    they change no record or trace, so the reference is the same model with or without them.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -105,6 +107,10 @@ def default_config(
     values.update({k: v for k, v in overrides.items() if v is not None})
     for name in ("task_kwargs", "data_kwargs"):
         values[name] = dict(values.get(name) or {})  # None and {} hash alike
+    from anchor_rl.tasks import TASKS
+
+    scoring = getattr(TASKS.get(task), "scoring_kwargs", frozenset())
+    values["task_kwargs"] = {k: v for k, v in values["task_kwargs"].items() if k not in scoring}
     return SFTConfig(task=task, size=size, **values)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from anchor_rl.rewards.safe import SafeVerifier
 from anchor_rl.tools.base import Tool
@@ -43,12 +43,16 @@ class Task(ABC):
 
     Subclasses set ``name``, ``instruction`` (a short system instruction describing the
     output format, used when the model has a chat template) and ``tools`` (tool tag ->
-    tool; empty for single-turn tasks).
+    tool; empty for single-turn tasks), and may name ``scoring_kwargs``.
     """
 
     name: str = "task"
     instruction: str = "Answer inside <answer></answer>."
     tools: dict[str, Tool]
+    scoring_kwargs: ClassVar[frozenset[str]] = frozenset()
+    """Constructor arguments that change only how responses are scored, never the records
+    or their reference traces: an SFT model ignores them, so one cached reference serves
+    every choice of them."""
 
     def __init__(self) -> None:
         self.tools = {}

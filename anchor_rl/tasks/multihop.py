@@ -158,6 +158,7 @@ class MultihopTask(GuardedTask):
     """
 
     name = "multihop"
+    scoring_kwargs = frozenset({"reward"})
     instruction = (
         "Look facts up with <search>entity relation</search>; "
         "give the final entity inside <answer></answer>."

@@ -92,6 +92,18 @@ def test_config_key_changes_with_any_field():
         sft.SFTConfig(task="copy", steps=0)
 
 
+def test_scoring_only_task_arguments_do_not_change_the_reference():
+    """multihop's reward changes no record or trace: the same cached SFT with or without it
+    (a suite training with reward=pvpo reuses `anchor-rl sft`'s model); top_k changes the
+    traces' tool results, so it keys another model."""
+    plain = sft.default_config("multihop", "tiny").key()
+    assert sft.default_config("multihop", "tiny", task_kwargs={"reward": "pvpo"}).key() == plain
+    scored = sft.default_config("multihop", "small", "teacher", task_kwargs={"reward": "f1"})
+    assert scored.key() == sft.default_config("multihop", "small", "teacher").key()
+    assert scored.task_kwargs == {}
+    assert sft.default_config("multihop", "tiny", task_kwargs={"top_k": 2}).key() != plain
+
+
 @pytest.mark.slow
 def test_sft_reduces_loss_is_deterministic_and_cached(copy_task, tmp_path, monkeypatch):
     kwargs = {"steps": 40, "lr": 3e-3, "batch_size": 16, "seed": 0, "progress": False}
