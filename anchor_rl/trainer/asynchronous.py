@@ -140,7 +140,8 @@ class PrefetchingEngine:
     def _drop(self, dropped: list[tuple[tuple, Any, int, int]]) -> None:
         self.discarded += len(dropped)
         self._discarded_responses += sum(p[3] for p in dropped)
-        self._pending = deque(p for p in self._pending if p not in dropped)
+        gone = {id(p) for p in dropped}
+        self._pending = deque(p for p in self._pending if id(p) not in gone)
 
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)
