@@ -82,9 +82,13 @@ class LearnerGroup:
         dist.init_process_group(
             "gloo", init_method=address, rank=0, world_size=world, timeout=TIMEOUT
         )
+        sharded = cfg.cluster.learner_sharding == "fsdp"
         state = {
             "weights": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
-            "optimizer": optimizer.state_dict(),
+            # sharded: by parameter name, which the shards' optimisers load
+            "optimizer": (
+                _full_optimizer_state(policy, optimizer) if sharded else optimizer.state_dict()
+            ),
             "scheduler": scheduler.state_dict(),
             "critic": None,
         }
@@ -93,9 +97,6 @@ class LearnerGroup:
                 "weights": {k: v.detach().cpu() for k, v in critic[0].state_dict().items()},
                 "optimizer": critic[1].state_dict(),
             }
-        sharded = cfg.cluster.learner_sharding == "fsdp"
-        if sharded:  # the optimiser by parameter name: the shards' optimisers load it
-            state["optimizer"] = _full_optimizer_state(policy, optimizer)
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
         self.critic = critic
@@ -260,14 +261,9 @@ def _sharded_learner(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """This rank's FSDP2 shard of ``model`` (the whole policy, loaded) with its AdamW shard
     and schedule, restored from ``state`` (the optimiser by parameter name). Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     shard_policy(model, cfg.cluster.learners)
     optimizer, scheduler = make_optimizer(cfg, model.parameters())
-    if state["optimizer"]["state"]:  # a resumed run's moments (a fresh AdamW has none)
-        set_optimizer_state_dict(
-            model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-        )
+    _load_full_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return model, optimizer, scheduler
 
@@ -297,7 +293,9 @@ def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 def _load_full_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Load a by-name optimiser state into the optimiser of an unsharded ``model``."""
+    """Load a by-name optimiser state (:func:`_full_optimizer_state`) into ``optimizer``, of a
+    sharded ``model`` (collective) or a whole one; an empty state (no step taken) leaves a
+    fresh optimiser as it is."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if state["state"]:

@@ -269,9 +269,8 @@ def _accumulate(
     mine = rows if dp is None else dp.shard(rows)
     parts = list(torch.split(mine, cfg.optim.micro_batch_size or len(mine))) if len(mine) else []
     lockstep = None if dp is None else dp.micro_batches(len(rows), cfg.optim.micro_batch_size)
-    layout = packed(cfg)
-    if lockstep is not None:  # FSDP: every rank makes the same passes; the padded layout
-        layout = False
+    layout = packed(cfg) if lockstep is None else False  # FSDP scores padded
+    if lockstep is not None:  # FSDP: every rank makes the same number of passes
         _zero_weight_passes(model, batch.select(rows[:1]), lockstep - len(parts), cfg)
     single = old_logp is None
     own: list[tuple[Tensor, Tensor]] = []
