@@ -90,6 +90,11 @@ LAYOUTS: dict[str, Layout] = {
     "w2l2": Layout("2 workers, 2 learners", 1, _cluster(workers=2, learners=2)),
     "w1a": Layout("1 rollout worker, async", 1, _cluster(workers=1, async_steps=1)),
     "t1b": Layout("1 process, 1 thread, bf16", 1, {"optim": {"autocast": "bf16"}}),
+    "t1bs": Layout(
+        "1 process, 1 thread, bf16 + bf16 sampling",
+        1,
+        {"optim": {"autocast": "bf16"}, "rollout": {"engine_args": {"precision": "bf16"}}},
+    ),
     "t1p": Layout(
         "1 process, 1 thread, plain",
         1,

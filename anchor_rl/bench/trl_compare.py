@@ -104,6 +104,16 @@ DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
         "no-grad pass, one forward per step",
     ),
     (
+        "precision",
+        "float32; with `optim.autocast=bf16` and `rollout.engine_args.precision=bf16`, scoring "
+        "and update under `torch.autocast` to bfloat16 and sampling from a bfloat16 copy of "
+        "the weights",
+        "float32; with `bf16=True`, accelerate's `torch.autocast` around the model's forward, "
+        "generation included",
+        "the same bfloat16 matmuls with float32 master weights; anchor-rl's sampler reads "
+        "bfloat16 weights where autocast casts the float32 ones at every op",
+    ),
+    (
         "std epsilon",
         "1e-6",
         "1e-4 (hard-coded)",
@@ -197,8 +207,9 @@ def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
         "adam_beta2": cfg.optim.betas[1],
         "weight_decay": cfg.optim.weight_decay,
         "max_grad_norm": cfg.optim.grad_clip,
-        # precision and bookkeeping: fp32 like anchor-rl, no checkpointing, no saves, no sinks
-        "bf16": False,
+        # precision (bf16: torch.autocast around the forward, generation included; see
+        # _check_expressible) and bookkeeping: no checkpointing, no saves, no sinks
+        "bf16": cfg.optim.autocast == "bf16",
         "fp16": False,
         "gradient_checkpointing": False,
         "remove_unused_columns": False,
@@ -243,6 +254,12 @@ def _check_expressible(cfg: TrainConfig) -> None:
         )
     if cfg.rollout.budget != "fixed":
         problems.append("rollout.budget must be 'fixed'")
+    sampling = cfg.rollout.engine_args.get("precision", "model")
+    if (cfg.optim.autocast == "bf16") != (sampling == "bf16"):
+        problems.append(
+            "optim.autocast and rollout.engine_args.precision must both be bf16 or neither "
+            "(TRL's one bf16 switch covers generation and training)"
+        )
     if problems:
         raise ConfigError("not comparable with TRL's GRPOTrainer: " + "; ".join(problems))
 
@@ -726,6 +743,7 @@ def _settings(cfg: TrainConfig) -> dict[str, Any]:
         "kl_coef": cfg.kl.coef,
         "clip": [cfg.loss.clip_low, cfg.loss.clip_high],
         "loss_agg": cfg.loss.agg,
+        "precision": "bf16" if cfg.optim.autocast == "bf16" else "fp32",
         "eval_prompts": cfg.eval.prompts,
         "eval_temperature": cfg.eval.temperature,
     }
@@ -754,7 +772,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"same order), temperature {s['temperature']}, top-p {s['top_p']}, at most "
         f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, KL beta {s['kl_coef']:g} (k3 in the "
         f"loss), clip {s['clip'][0]}/{s['clip'][1]}, loss `{s['loss_agg']}`, {s['epochs']} "
-        f"epoch(s) x {s['mini_batches']} mini-batch(es). Held-out accuracy: "
+        f"epoch(s) x {s['mini_batches']} mini-batch(es), {s.get('precision', 'fp32')}. "
+        "Held-out accuracy: "
         f"{s['eval_prompts']} test prompts, temperature {s['eval_temperature']}, the same "
         "`evaluate_model` call for both final models.",
         "",

@@ -33,7 +33,7 @@ from anchor_rl.batch import RolloutBatch
 from anchor_rl.cluster.connect import connect, import_ray
 from anchor_rl.cluster.worker import RolloutWorker
 from anchor_rl.rollout.decoders import DecodeMode, decoder_for
-from anchor_rl.rollout.engine import Request, register_engine
+from anchor_rl.rollout.engine import PRECISIONS, Precision, Request, register_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
 
@@ -77,8 +77,9 @@ class RayEngine:
     num_cpus_per_worker, num_gpus_per_worker: what each actor reserves (a GPU worker
         samples on ``cuda``; fractions share a device).
     threads_per_worker: torch threads in each actor (default: its whole CPUs, at least 1).
-    max_batch, decode: each worker's ``hf`` engine options (responses generated together;
-        the forward pass of generation, :mod:`anchor_rl.rollout.decoders`).
+    max_batch, decode, precision: each worker's ``hf`` engine options (responses generated
+        together; the forward pass of generation, :mod:`anchor_rl.rollout.decoders`;
+        ``bf16`` samples from bfloat16 parameters).
     startup_timeout: seconds to wait for the workers to start before a clear error.
 
     restarts: workers replaced after they died, over the engine's life.
@@ -96,6 +97,7 @@ class RayEngine:
         num_gpus_per_worker: float = 0.0,
         max_batch: int = 256,
         decode: DecodeMode = "auto",
+        precision: Precision = "model",
         startup_timeout: float = 300.0,
     ) -> None:
         _check_int("workers", workers, 1)
@@ -113,6 +115,11 @@ class RayEngine:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
         decoder_for(model, decode)  # an unknown mode or an unsupported model fails here
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"rollout.engine_args.precision must be one of {', '.join(PRECISIONS)}, "
+                f"got {precision!r}"
+            )
         self._ray = ray = import_ray()
         connect(address, workers * num_cpus_per_worker)
         _check_resources(ray, workers, num_cpus_per_worker, num_gpus_per_worker)
@@ -127,6 +134,7 @@ class RayEngine:
             threads_per_worker,
             max_batch,
             decode,
+            precision,
         )
         self._options = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
         # max_restarts=0: Ray does not revive a dead worker; this engine replaces it and

@@ -15,7 +15,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizer
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.rollout.decoders import DecodeMode
-from anchor_rl.rollout.engine import Request, make_engine
+from anchor_rl.rollout.engine import Precision, Request, cast_parameters, make_engine
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
 
@@ -27,8 +27,9 @@ class RolloutWorker:
     generation_config: the driver model's (its eos ids end responses).
     dtype, device: of the copy's parameters (``cuda`` on a worker given a GPU).
     threads: torch intra-op threads of this process.
-    max_batch, decode: the ``hf`` engine's options (responses generated together; the
-        forward pass of generation).
+    max_batch, decode, precision: the ``hf`` engine's options (responses generated
+        together; the forward pass of generation; ``bf16``: the copy's parameters are cast
+        to bfloat16 here, so the engine samples from them without a second copy).
     """
 
     def __init__(
@@ -42,13 +43,18 @@ class RolloutWorker:
         threads: int,
         max_batch: int,
         decode: DecodeMode = "auto",
+        precision: Precision = "model",
     ) -> None:
         torch.set_num_threads(threads)
         model = model_class(config)
         if generation_config is not None:
             model.generation_config = generation_config
         model = model.to(device=device, dtype=dtype).eval()
-        self.engine = make_engine("hf", model, tokenizer, max_batch=max_batch, decode=decode)
+        if precision == "bf16":
+            cast_parameters(model, torch.bfloat16)
+        self.engine = make_engine(
+            "hf", model, tokenizer, max_batch=max_batch, decode=decode, precision=precision
+        )
         self.synced = False
 
     def pid(self) -> int:

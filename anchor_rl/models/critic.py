@@ -162,6 +162,11 @@ class Critic(nn.Module):
             [self._values(batch.select(range(i, min(i + step, b)))) for i in range(0, b, step)]
         )
 
+    def forward(self, batch: RolloutBatch) -> torch.Tensor:
+        """:meth:`values` of ``batch`` in one pass (``[B, T]``): what a wrapper that hooks a
+        module's forward, such as ``DistributedDataParallel``, calls."""
+        return self.values(batch)
+
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count real
         # tokens, so the hidden state at column c sees exactly the real tokens at columns <= c.

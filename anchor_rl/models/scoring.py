@@ -102,8 +102,47 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
     return where, offset, width
 
 
+class ScoringForward(torch.nn.Module):
+    """One scoring pass of a causal LM as one call of this module, in either layout.
+
+    A wrapper that hooks a module's ``forward`` -- ``DistributedDataParallel``, whose hooks
+    prepare the gradient all-reduce -- must see every pass, and the packed layout calls the
+    decoder and the output layer separately; this module makes both one call.
+    ``forward(ids, positions, mask=None, keep=0, select=None)``: padded (``select`` None),
+    the model's logits ``[B, keep, V]`` of the last ``keep`` columns; packed, the logits
+    ``[N, V]`` of the states at ``select = (bins[N], cols[N])``.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.lm = model
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        keep: int = 0,
+        select: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if select is None:
+            return self.lm(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=keep,
+            ).logits
+        hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False)
+        return self.lm.lm_head(hidden.last_hidden_state[select])
+
+
 def _score_packed(
-    model: PreTrainedModel, batch: RolloutBatch, with_entropy: bool, temperature: float
+    model: PreTrainedModel,
+    forward: torch.nn.Module,
+    batch: RolloutBatch,
+    with_entropy: bool,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_score` in the packed layout (see the module docstring)."""
     device = model.device
@@ -123,10 +162,8 @@ def _score_packed(
         [o + len(p) - 1 for o, p in zip(offset, batch.prompt_ids, strict=True)]
     )
     bins, cols = torch.as_tensor(where)[row_of], starts[row_of] + t_of
-    hidden = model.model(
-        input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False
-    ).last_hidden_state
-    logits = model.lm_head(hidden[bins.to(device), cols.to(device)])  # [N, V]
+    select = (bins.to(device), cols.to(device))
+    logits = forward(ids.to(device), pos.to(device), select=select)  # [N, V]
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     tokens = batch.response_ids[row_of, t_of].to(device)
     shape, where_rt = batch.response_ids.shape, (row_of.to(device), t_of.to(device))
@@ -137,19 +174,17 @@ def _score_packed(
 
 
 def _score(
-    model: PreTrainedModel, batch: RolloutBatch, with_entropy: bool, temperature: float
+    model: PreTrainedModel,
+    forward: torch.nn.Module,
+    batch: RolloutBatch,
+    with_entropy: bool,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = model.device
     ids, mask, positions = pack_prompt_response(batch, device)
     response_mask = batch.attention_mask.to(device)
     t = batch.response_ids.shape[1]
-    logits = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=t + 1,
-    ).logits[:, :-1, :]
+    logits = forward(ids, positions, mask=mask, keep=t + 1)[:, :-1, :]
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, batch.response_ids.to(device)[..., None]).squeeze(-1) * response_mask
     entropy = entropy_from_logp(logp_all) * response_mask if with_entropy else None
@@ -163,6 +198,7 @@ def token_logprobs(
     micro_batch: int | None = None,
     temperature: float = 1.0,
     packed: bool | None = None,
+    forward: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``batch.response_ids`` given the prompts: ``(logp[B, T], entropy[B, T] | None)``.
 
@@ -170,7 +206,9 @@ def token_logprobs(
     Gradients flow when called with grad enabled. ``micro_batch`` bounds the rows per
     forward pass (the ``[rows, T, V]`` logits are the memory peak). ``temperature``
     divides the logits first (1.0: the model's own distribution). ``packed`` picks the
-    layout (module docstring): ``None`` packs where :func:`packing_supported`.
+    layout (module docstring): ``None`` packs where :func:`packing_supported`. ``forward``:
+    the module each pass calls, a wrapper of ``ScoringForward(model)`` such as
+    ``DistributedDataParallel`` (default: ``ScoringForward(model)`` itself).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -190,7 +228,8 @@ def token_logprobs(
             f"packed scoring needs a Llama-architecture model, not {type(model).__name__}"
         )
     score = _score_packed if packed else _score
-    parts = [score(model, chunk, with_entropy, temperature) for chunk in chunks]
+    forward = ScoringForward(model) if forward is None else forward
+    parts = [score(model, forward, chunk, with_entropy, temperature) for chunk in chunks]
     logp = torch.cat([p[0] for p in parts])
     entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
     return logp, entropy

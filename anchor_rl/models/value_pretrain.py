@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,8 +44,14 @@ class Shards(Protocol):
         """This rank's rows of a mini-batch ``rows[M]``."""
         ...
 
-    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Replace every gradient by its sum over the ranks."""
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module this rank's passes call (one whose backward sums the gradients over
+        the ranks, e.g. ``DistributedDataParallel``)."""
+        ...
+
+    def passes(self, module: torch.nn.Module, parts: Sequence[Tensor]) -> Iterator[Tensor | None]:
+        """Each of ``parts`` to run through ``module`` in turn, then ``None`` for a
+        zero-weighted pass where the ranks' collectives need one."""
         ...
 
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
@@ -224,20 +230,26 @@ def fit_values(
             continue
         optimizer.zero_grad(set_to_none=True)
         mine = rows if dp is None else dp.shard(rows)
-        for part in torch.split(mine, micro_batch or len(mine)) if len(mine) else ():
-            part_tokens = float(mask[part].sum())
-            if part_tokens == 0:
+        split = torch.split(mine, micro_batch or len(mine)) if len(mine) else ()
+        parts = [part for part in split if mask[part].sum() > 0]
+        passes: Iterable[Tensor | None] = parts
+        forward: torch.nn.Module = critic
+        if dp is not None:  # the gradients are summed over the ranks during the backward
+            forward = dp.wrap(critic)
+            passes = dp.passes(forward, parts)
+        for part in passes:
+            if part is None:  # a pass for the collectives only: no rows of this mini-batch
+                (forward(batch.select(rows[:1].cpu())).sum() * 0.0).backward()
                 continue
+            part_tokens = float(mask[part].sum())
             loss, metrics = value_loss(
-                critic.values(batch.select(part.cpu())), old_values[part], returns[part],
+                forward(batch.select(part.cpu())), old_values[part], returns[part],
                 mask[part], clip=value_clip,
             )  # fmt: skip
             (loss * (part_tokens / tokens)).backward()
             loss_sum += float(loss.detach()) * part_tokens
             clip_sum += float(metrics["vf_clipfrac"]) * part_tokens
             tokens_sum += part_tokens
-        if dp is not None:
-            dp.sum_grads(params)
         limit = math.inf if max_grad_norm is None else max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         if not (math.isfinite(norm) and math.isfinite(loss_sum)):

@@ -14,10 +14,11 @@ built with :func:`make_engine`; nothing outside this package constructs a concre
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -154,6 +155,47 @@ def pack(
     )
 
 
+Precision = Literal["model", "bf16"]
+PRECISIONS: tuple[str, ...] = ("model", "bf16")
+
+
+def cast_parameters(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """``model`` with its floating-point parameters cast to ``dtype`` in place and returned.
+
+    Buffers keep their dtype: the rotary frequencies of a Llama-architecture model stay
+    float32, as inference servers keep them (``model.to(dtype)`` would round them too).
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def sampling_model(model: PreTrainedModel, precision: Precision) -> PreTrainedModel:
+    """The model an engine samples from: ``model`` itself (``"model"``, or ``"bf16"`` when
+    its parameters are bfloat16 already), else a copy with bfloat16 parameters that takes
+    no gradient."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if precision == "model" or all(p.dtype == torch.bfloat16 for p in floating):
+        return model
+    twin = cast_parameters(copy_module(model), torch.bfloat16)
+    return twin.requires_grad_(False).eval()
+
+
+def copy_module(model: PreTrainedModel) -> PreTrainedModel:
+    """A deep copy of ``model`` without its gradients."""
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        for p in grads:
+            p.grad = None
+        return copy.deepcopy(model)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+
+
 class HFEngine:
     """Batched sampling with a ``transformers`` causal LM and a KV cache, in this process.
 
@@ -165,6 +207,9 @@ class HFEngine:
     decode: the forward pass of generation (:mod:`anchor_rl.rollout.decoders`): ``auto``
     (a static KV cache for Llama-architecture models, the model's own forward for others),
     ``static`` or ``hf``.
+    precision: ``model`` samples with the model's own parameters; ``bf16`` from a copy
+    whose parameters are bfloat16 (as inference servers hold them; buffers such as the
+    rotary frequencies stay float32, and the sampler's softmax runs in float32). The copy is refreshed by every ``sync_weights``, which then always copies.
     """
 
     def __init__(
@@ -173,14 +218,16 @@ class HFEngine:
         tokenizer: PreTrainedTokenizerBase,
         max_batch: int = 256,
         decode: DecodeMode = "auto",
+        precision: Precision = "model",
     ):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         decoder_for(model, decode)  # fails now on an unknown mode or an unsupported model
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
-        self.decode = decode
+        self.model = sampling_model(model, precision)
+        self.tokenizer, self.max_batch = tokenizer, max_batch
+        self.decode, self.precision = decode, precision
 
     def rollout(
         self,
@@ -235,7 +282,9 @@ def _hf_engine(
     tokenizer: PreTrainedTokenizerBase,
     max_batch: int = 256,
     decode: DecodeMode = "auto",
+    precision: Precision = "model",
 ) -> Engine:
-    """The in-process engine on the learner's own model (no copy: updates are seen at once);
-    options ``max_batch`` and ``decode``."""
-    return HFEngine(model, tokenizer, max_batch=max_batch, decode=decode)
+    """The in-process engine on the learner's own model (no copy: updates are seen at once,
+    unless ``precision="bf16"`` samples from a bfloat16 copy); options ``max_batch``,
+    ``decode`` and ``precision``."""
+    return HFEngine(model, tokenizer, max_batch=max_batch, decode=decode, precision=precision)

@@ -68,7 +68,8 @@ class RolloutConfig(_Section):
     rollout goes through it; each response is seeded by (seed, stream, prompt, sample index)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Options of the engine's factory (for `hf`: `max_batch=64`, responses generated together;
-    `decode=auto|static|hf`, the decoding forward pass, docs/models.md)."""
+    `decode=auto|static|hf`, the decoding forward pass; `precision=model|bf16`, `bf16` samples
+    from a bfloat16 copy of the weights; docs/models.md)."""
 
     @field_validator("engine")
     @classmethod
@@ -379,8 +380,8 @@ class ClusterConfig(_Section):
     """torch threads of each spawned learner rank; 0: this process's thread count."""
     learner_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How the learner ranks hold the policy: `replicate`, a whole copy and optimiser on each
-    rank (gradients all-reduced); `fsdp`, torch FSDP2 (`fully_shard` per decoder layer and
-    the root): each rank holds 1/N of the parameters, gradients and AdamW state, and rank 0
+    rank, trained through torch DistributedDataParallel (gradients summed by all-reduce);
+    `fsdp`, torch FSDP2 (`fully_shard` per decoder layer and the root): each rank holds 1/N of the parameters, gradients and AdamW state, and rank 0
     gathers the updated weights into the run's policy (rollouts, scoring, checkpoints) after
     each update. `fsdp` scores the update in the padded layout and does not shard the
     critic."""

@@ -5,26 +5,39 @@ mini-batch a rank backpropagates its share of the rows (rows ``rank, rank + worl
 with the *mini-batch's* loss normalisers (its token and sequence counts, which every rank
 computes from the whole mini-batch), so the per-rank gradients sum to the gradient of the
 whole mini-batch's loss: a token-mean over 2 ranks is the token-mean over the batch, not the
-mean of two means. :meth:`DataParallel.sum_grads` all-reduces them before the step, and the
-step's metrics are summed the same way. Every rank then takes the same optimiser step, so
-the replicas stay equal (tested), and rank 0's weights are the run's.
+mean of two means. The step's metrics are summed the same way (:meth:`DataParallel.sum_stats`).
+
+Replicated ranks (the default) train their module through torch's
+``DistributedDataParallel`` (:meth:`DataParallel.wrap`, with a communication hook that sums
+the gradients instead of averaging them): its hooks all-reduce the gradients in buckets
+while the backward pass is still running. A rank's micro-batches accumulate under
+``no_sync`` and the last one synchronises (:meth:`DataParallel.passes`), so each rank
+takes part in one all-reduce per mini-batch whatever its number of micro-batches; a rank
+with no rows in a mini-batch runs one zero-weighted pass to take part in it. Every rank
+then takes the same optimiser step, so the replicas stay equal (tested), and rank 0's
+weights are the run's.
 
 With ``cluster.learner_sharding = "fsdp"`` the ranks hold FSDP2 shards instead of replicas
 (:func:`shard_policy`): FSDP reduce-scatters the gradients itself, summed as above (its
 divide factor set to 1), and every forward all-gathers a layer's parameters from every
 rank, so the ranks run their forward and backward passes in lockstep: a rank whose share
 of a mini-batch has fewer micro-batches than another's runs a zero-weighted pass for each
-missing one (:meth:`DataParallel.micro_batches`).
+missing one (:meth:`DataParallel.passes`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+Part = TypeVar("Part")
 
 
 class DataParallel:
@@ -34,37 +47,54 @@ class DataParallel:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a world of {world}")
         self.rank, self.world, self.sharded = rank, world, sharded
+        self._wrapped: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
 
     def shard(self, rows: Tensor) -> Tensor:
         """This rank's rows of a mini-batch ``rows[M]`` (every ``world``-th, from ``rank``)."""
         return rows[self.rank :: self.world]
 
-    def micro_batches(self, rows: int, micro_batch: int | None) -> int | None:
-        """The forward/backward passes every rank makes on a mini-batch of ``rows`` rows in
-        micro-batches of ``micro_batch`` (None: one per rank) when the ranks run in lockstep
-        (``sharded``): the busiest rank's count. None when they need not."""
-        if not self.sharded:
-            return None
+    def wrap(
+        self,
+        module: torch.nn.Module,
+        build: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ) -> torch.nn.Module:
+        """The module this rank's passes of ``module`` call, built on the first call and
+        kept: ``build(module)`` (default: ``module`` itself; e.g. the policy's
+        ``ScoringForward``), for replicas in a ``DistributedDataParallel`` that sums (not
+        averages) the gradients over the ranks. Sharded ranks synchronise through FSDP and
+        get no DDP. The first call is collective on replicas: every rank wraps the same
+        modules in the same order (they run the same updates)."""
+        key = id(module)
+        if key not in self._wrapped:
+            inner = module if build is None else build(module)
+            if not self.sharded:
+                inner = DistributedDataParallel(inner, forward_sync_buffers=False)
+                inner.register_comm_hook(None, _sum_hook)
+            self._wrapped[key] = (module, inner)  # the module kept alive: its id stays its own
+        return self._wrapped[key][1]
+
+    def passes(
+        self, module: torch.nn.Module, parts: Sequence[Part], lockstep: int = 1
+    ) -> Iterator[Part | None]:
+        """Yield each of this rank's micro-batch ``parts`` of one mini-batch for the caller
+        to run forward and backward through ``module`` (from :meth:`wrap`), then ``None``
+        for each zero-weighted pass the ranks need: replicas synchronise on the last pass
+        only (the others run under ``no_sync``), and need one pass at least; sharded ranks
+        run ``lockstep`` passes in all, the busiest rank's count
+        (:meth:`micro_batches`)."""
+        total = lockstep if self.sharded else max(len(parts), 1)
+        for i in range(total):
+            last = i == total - 1
+            defer = not last and isinstance(module, DistributedDataParallel)
+            with module.no_sync() if defer else nullcontext():
+                yield parts[i] if i < len(parts) else None
+
+    def micro_batches(self, rows: int, micro_batch: int | None) -> int:
+        """The forward/backward passes every sharded rank makes on a mini-batch of ``rows``
+        rows in micro-batches of ``micro_batch`` (None: one per rank): the busiest rank's
+        count, its share being the largest."""
         share = math.ceil(rows / self.world)  # rank 0's share, the largest
         return math.ceil(share / micro_batch) if micro_batch else 1
-
-    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Replace every parameter's gradient by its sum over the ranks (one all-reduce of a
-        flat buffer; a parameter a rank did not reach counts as zero there). Sharded ranks
-        have them summed already (FSDP's reduce-scatter)."""
-        if self.sharded:
-            return
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        start = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[start : start + n].view_as(p.grad))
-            start += n
 
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
         """The metrics' sums over the ranks (a rank may lack keys its rows did not produce)."""
@@ -75,6 +105,15 @@ class DataParallel:
             for key, value in (part or {}).items():
                 out[key] = out.get(key, 0.0) + value
         return out
+
+
+def _sum_hook(state, bucket):  # unannotated on purpose: see the docstring
+    """A DDP communication hook ``(state, dist.GradBucket) -> Future[Tensor]``: the bucket's
+    gradients summed over the ranks (DDP's default divides the sum by the world size; the
+    losses here are normalised by the whole mini-batch already). Unannotated: DDP checks
+    the annotations as objects, which postponed annotations turn into strings."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def shard_policy(model: torch.nn.Module, world: int) -> torch.nn.Module:

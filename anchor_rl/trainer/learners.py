@@ -4,9 +4,10 @@ This process is rank 0: it runs the loop and holds the run's policy, optimiser a
 checkpoints. Ranks 1..N-1 are processes it spawns, each with a replica of the policy and
 its optimiser, joined by a torch.distributed process group (gloo). For every update
 rank 0 broadcasts the step's batch and mini-batch schedule; every rank then runs
-``update.ppo_update`` on its share of each mini-batch (``distributed.DataParallel``) and
-the gradients are summed before each step, so the ranks take identical steps and rank 0's
-weights are what one process would have computed, up to float summation order. With a
+``update.ppo_update`` on its share of each mini-batch (``distributed.DataParallel``)
+through a ``DistributedDataParallel`` replica, whose backward sums the gradients over the
+ranks, so the ranks take identical steps and rank 0's weights are what one process would
+have computed, up to float summation order. With a
 critic (PPO, VAPO) every rank also holds a critic replica and runs its share of the value
 update the same way (``critic_update``; ``fit_values`` with ``dp``).
 Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of

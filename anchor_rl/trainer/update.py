@@ -36,7 +36,7 @@ from anchor_rl.algos.losses import agg, kl, nll
 from anchor_rl.algos.registry import get_policy_loss
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.errors import NonFiniteError
-from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.distributed import DataParallel
 
@@ -217,9 +217,8 @@ def ppo_update(
         stats = _accumulate(
             model, batch, rows, mask, old_logp, ref_logp, adv, correct, cfg, dp, seen
         )
-        if dp is not None:
+        if dp is not None:  # the gradients were summed during the backward passes
             stats = dp.sum_stats(stats)
-            dp.sum_grads(model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
         check_finite("the policy update", stats | {"grad_norm": grad_norm.item()})
         optimizer.step()
@@ -268,13 +267,19 @@ def _accumulate(
     stats: dict[str, float] = defaultdict(float)
     mine = rows if dp is None else dp.shard(rows)
     parts = list(torch.split(mine, cfg.optim.micro_batch_size or len(mine))) if len(mine) else []
-    lockstep = None if dp is None else dp.micro_batches(len(rows), cfg.optim.micro_batch_size)
-    layout = packed(cfg) if lockstep is None else False  # FSDP scores padded
-    if lockstep is not None:  # FSDP: every rank makes the same number of passes
-        _zero_weight_passes(model, batch.select(rows[:1]), lockstep - len(parts), cfg)
+    forward = None if dp is None else dp.wrap(model, ScoringForward)
+    passes: Iterable[Tensor | None] = parts
+    layout = packed(cfg)
+    if dp is not None:  # DDP: one synchronising pass; FSDP: every rank the same passes
+        lockstep = dp.micro_batches(len(rows), cfg.optim.micro_batch_size)
+        passes = dp.passes(forward, parts, lockstep)
+        layout = False if dp.sharded else layout  # FSDP scores padded
     single = old_logp is None
     own: list[tuple[Tensor, Tensor]] = []
-    for part in parts:
+    for part in passes:
+        if part is None:  # a pass for the collectives only: no rows of this mini-batch left
+            _zero_weight_pass(model, forward, batch.select(rows[:1]), cfg)
+            continue
         m, c = mask[part].to(device), correct[part].to(device)
         ref = None if ref_logp is None else ref_logp[part].to(device)
         with forward_precision(model, cfg):  # the backward runs outside autocast
@@ -284,6 +289,7 @@ def _accumulate(
                 with_entropy=single,
                 temperature=cfg.rollout.temperature,
                 packed=layout,
+                forward=forward,
             )
         if single:
             assert entropy is not None
@@ -307,16 +313,17 @@ def _accumulate(
     return stats
 
 
-def _zero_weight_passes(
-    model: torch.nn.Module, row: RolloutBatch, passes: int, cfg: TrainConfig
+def _zero_weight_pass(
+    model: torch.nn.Module, forward: torch.nn.Module | None, row: RolloutBatch, cfg: TrainConfig
 ) -> None:
-    """``passes`` forward and backward passes of ``row`` whose loss is weighted 0: the
-    collectives of a sharded model's passes that this rank has no rows for (a rank's
-    gradients gain nothing)."""
-    for _ in range(passes):
-        with forward_precision(model, cfg):
-            logp, _ = token_logprobs(model, row, temperature=cfg.rollout.temperature, packed=False)
-        (logp.sum() * 0.0).backward()
+    """A forward and backward pass of ``row`` through ``forward`` whose loss is weighted 0:
+    the collectives of a mini-batch this rank has no (more) rows of (its gradients gain
+    nothing)."""
+    with forward_precision(model, cfg):
+        logp, _ = token_logprobs(
+            model, row, temperature=cfg.rollout.temperature, packed=False, forward=forward
+        )
+    (logp.sum() * 0.0).backward()
 
 
 def _count(weight: Tensor, mode: str) -> float:

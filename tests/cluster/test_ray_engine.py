@@ -144,6 +144,23 @@ def test_a_worker_samples_with_the_decode_mode_it_was_given(tokenizer, tiny_mode
     assert RolloutWorker(*spec).engine.decode == "auto"
 
 
+def test_a_bf16_worker_samples_from_its_own_copy_as_the_in_process_bf16_engine(
+    tokenizer, tiny_model
+):
+    spec = (type(tiny_model), tiny_model.config, None, tokenizer, torch.float32, "cpu", 1, 8)
+    worker = RolloutWorker(*spec, precision="bf16")
+    assert {p.dtype for p in worker.engine.model.parameters()} == {torch.bfloat16}
+    worker.sync(tiny_model.state_dict())
+    params = SamplingParams(max_new_tokens=12)
+    local = make_engine("hf", tiny_model, tokenizer, precision="bf16").rollout(REQUESTS, params)
+    _same_rows(worker.rollout(REQUESTS, params, None, None), local)
+
+
+def test_an_unknown_precision_is_refused_before_any_worker_starts(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="precision must be one of model, bf16, got 'fp16'"):
+        make_engine("ray", tiny_model, tokenizer, precision="fp16")
+
+
 # -- faults: the engine below lives for the rest of the module (keep these tests last: it
 # holds 1 of the 2 CPUs, which the runs above need) ---------------------------------------
 

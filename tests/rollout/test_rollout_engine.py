@@ -167,6 +167,37 @@ def test_sync_weights_is_free_for_the_own_model_and_copies_others(tokenizer):
     assert all(torch.equal(other[k], v) for k, v in model.state_dict().items())
 
 
+def test_bf16_engine_samples_from_a_bfloat16_copy_kept_in_sync(tokenizer):
+    model = build_model("tiny", tokenizer, seed=0)
+    engine = HFEngine(model, tokenizer, precision="bf16")
+    copy = engine.model
+    assert copy is not model
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the policy untouched
+    assert copy.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers stay float32
+    assert not any(p.requires_grad for p in copy.parameters())
+    other = build_model("tiny", tokenizer, seed=1).state_dict()
+    engine.sync_weights(other)
+    for name, value in copy.state_dict().items():
+        assert torch.equal(value, other[name].to(value.dtype)), name
+    # what it samples: the behaviour log-probs of the bfloat16 weights, within bfloat16's
+    # rounding (8 mantissa bits) of a float32 forward pass over the same tokens
+    model.load_state_dict(other)
+    b = engine.rollout(requests(PROMPTS, 4, seed=3), SamplingParams(max_new_tokens=20))
+    check_masks(b)
+    fp32, _ = token_logprobs(model, b)
+    gap = (fp32 - b.logprobs).abs()[b.attention_mask.bool()]
+    assert 0 < gap.mean() < 0.01 and gap.max() < 0.05
+
+
+def test_bf16_engine_reuses_a_bfloat16_model_and_checks_its_option(tokenizer):
+    model = build_model("tiny", tokenizer, seed=0).to(torch.bfloat16)
+    assert HFEngine(model, tokenizer, precision="bf16").model is model
+    assert HFEngine(model, tokenizer).model is model
+    with pytest.raises(ValueError, match="precision must be one of model, bf16, got 'fp8'"):
+        HFEngine(model, tokenizer, precision="fp8")
+
+
 def test_engines_register_by_name(tokenizer, tiny_model):
     assert "hf" in ENGINES
     with pytest.raises(KeyError, match="registered: hf"):

@@ -10,11 +10,12 @@ import signal
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import build_model
-from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import ConfigError, load_config
@@ -100,6 +101,39 @@ def test_two_learners_compute_the_whole_batchs_loss_and_step(
     # lr * g / (|g| + eps), so a weight whose gradient is near eps moves by up to lr times a
     # float difference; 1% of lr bounds it (measured: 3e-6 at lr 1e-3).
     for (name, a), b in zip(one.state_dict().items(), two.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * cfg.optim.lr, msg=name)
+
+
+def test_replicas_accumulate_uneven_micro_batches_and_join_a_mini_batch_without_rows(
+    one_thread,
+) -> None:
+    """DDP replicas: micro-batches of one row give the ranks 3 and 2 passes of the first
+    mini-batch (all but the last under no_sync), and the second mini-batch's single row
+    leaves rank 1 nothing but a zero-weighted pass; packed scoring goes through DDP too.
+    The two optimiser steps are one process's, within the rounding the test above allows."""
+    cfg = load_config("grpo", ["kl.coef=0", "optim.lr=1e-3", "optim.micro_batch_size=1"])
+    tokenizer = build_tokenizer()
+    batch, mask = _batch(), _batch().loss_mask
+    adv = ADV[:, None] * mask
+    schedule = [torch.arange(5), torch.tensor([3])]
+    models = [build_model("tiny", tokenizer, seed=0) for _ in range(2)]
+    with torch.no_grad():
+        old, _ = token_logprobs(models[0], batch)
+    opt, sched = make_optimizer(cfg, models[0].parameters())
+    single = ppo_update(models[0], opt, sched, batch, mask, old, None, adv, ADV > 0, cfg, None,
+                        schedule=schedule)  # fmt: skip
+    opt2, sched2 = make_optimizer(cfg, models[1].parameters())
+    group = LearnerGroup(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+        update={"learners": 2, "threads_per_learner": 1})}), models[1], opt2, sched2)  # fmt: skip
+    try:
+        two = group.update(batch, mask, old, None, adv, ADV > 0, schedule)
+        assert isinstance(group.dp.wrap(models[1], ScoringForward), DistributedDataParallel)
+    finally:
+        group.close()
+    for key in ("loss/policy", "grad_norm"):
+        assert two[key] == pytest.approx(single[key], rel=1e-5), key
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values(),
+                            strict=True):  # fmt: skip
         torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * cfg.optim.lr, msg=name)
 
 
