@@ -49,9 +49,16 @@ class Shards(Protocol):
         the ranks, e.g. ``DistributedDataParallel``)."""
         ...
 
-    def passes(self, module: torch.nn.Module, parts: Sequence[Tensor]) -> Iterator[Tensor | None]:
-        """Each of ``parts`` to run through ``module`` in turn, then ``None`` for a
-        zero-weighted pass where the ranks' collectives need one."""
+    def passes(
+        self, module: torch.nn.Module, parts: Sequence[Tensor], lockstep: int = 1
+    ) -> Iterator[Tensor | None]:
+        """Each of ``parts`` to run through ``module`` in turn, then ``None`` for each
+        zero-weighted pass the ranks' collectives need (``lockstep``: the passes sharded
+        ranks make in all)."""
+        ...
+
+    def micro_batches(self, rows: int, micro_batch: int | None) -> int:
+        """The passes the busiest rank makes on a mini-batch of ``rows`` rows."""
         ...
 
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
@@ -230,18 +237,19 @@ def fit_values(
             continue
         optimizer.zero_grad(set_to_none=True)
         mine = rows if dp is None else dp.shard(rows)
-        split = torch.split(mine, micro_batch or len(mine)) if len(mine) else ()
-        parts = [part for part in split if mask[part].sum() > 0]
+        parts = list(torch.split(mine, micro_batch or len(mine))) if len(mine) else []
         passes: Iterable[Tensor | None] = parts
         forward: torch.nn.Module = critic
         if dp is not None:  # the gradients are summed over the ranks during the backward
             forward = dp.wrap(critic)
-            passes = dp.passes(forward, parts)
+            passes = dp.passes(forward, parts, dp.micro_batches(len(rows), micro_batch))
         for part in passes:
-            if part is None:  # a pass for the collectives only: no rows of this mini-batch
-                (forward(batch.select(rows[:1].cpu())).sum() * 0.0).backward()
+            part_tokens = 0.0 if part is None else float(mask[part].sum())
+            if part_tokens == 0:  # no token to fit, or no rows left
+                if dp is not None:  # a zero-weighted pass: it joins the ranks' collectives
+                    chosen = rows[:1] if part is None else part
+                    (forward(batch.select(chosen.cpu())).sum() * 0.0).backward()
                 continue
-            part_tokens = float(mask[part].sum())
             loss, metrics = value_loss(
                 forward(batch.select(part.cpu())), old_values[part], returns[part],
                 mask[part], clip=value_clip,

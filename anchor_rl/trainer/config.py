@@ -379,12 +379,13 @@ class ClusterConfig(_Section):
     threads_per_learner: int = Field(0, ge=0)
     """torch threads of each spawned learner rank; 0: this process's thread count."""
     learner_sharding: Literal["replicate", "fsdp"] = "replicate"
-    """How the learner ranks hold the policy: `replicate`, a whole copy and optimiser on each
-    rank, trained through torch DistributedDataParallel (gradients summed by all-reduce);
-    `fsdp`, torch FSDP2 (`fully_shard` per decoder layer and the root): each rank holds 1/N of the parameters, gradients and AdamW state, and rank 0
-    gathers the updated weights into the run's policy (rollouts, scoring, checkpoints) after
-    each update. `fsdp` scores the update in the padded layout and does not shard the
-    critic."""
+    """How the learner ranks hold the policy and the critic: `replicate`, a whole copy and
+    optimiser on each rank, trained through torch DistributedDataParallel (gradients summed
+    by all-reduce); `fsdp`, torch FSDP2 (`fully_shard` per decoder layer and the root): each
+    rank holds 1/N of the parameters, gradients and AdamW state, and rank 0 gathers the
+    updated weights into the run's policy and critic (rollouts, scoring, checkpoints) after
+    each update. `fsdp` scores the update in the padded layout and needs
+    `critic.mode=separate` for a critic."""
     async_steps: int = Field(0, ge=0)
     """k > 0: the rollout workers sample the next k steps' rollouts with the weights they hold
     while this step's update runs (up to k steps off-policy; the ratio's denominator is the
@@ -727,10 +728,11 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
             errors.append(
                 _no_effect("cluster", ["learner_sharding"], "it shards over cluster.learners > 1")
             )
-        if critic:
+        if critic and cfg.critic.mode == "shared":
             errors.append(
-                "cluster.learner_sharding=fsdp does not shard the critic yet (PPO, VAPO): use "
-                "cluster.learner_sharding=replicate"
+                "cluster.learner_sharding=fsdp shards a separate critic only: a shared critic's "
+                "value head runs on the policy's body outside the module FSDP gathers through; "
+                "set critic.mode=separate or cluster.learner_sharding=replicate"
             )
         if cfg.optim.padding_free == "on":
             errors.append(

@@ -18,7 +18,7 @@ then takes the same optimiser step, so the replicas stay equal (tested), and ran
 weights are the run's.
 
 With ``cluster.learner_sharding = "fsdp"`` the ranks hold FSDP2 shards instead of replicas
-(:func:`shard_policy`): FSDP reduce-scatters the gradients itself, summed as above (its
+(:func:`shard_model`): FSDP reduce-scatters the gradients itself, summed as above (its
 divide factor set to 1), and every forward all-gathers a layer's parameters from every
 rank, so the ranks run their forward and backward passes in lockstep: a rank whose share
 of a mini-batch has fewer micro-batches than another's runs a zero-weighted pass for each
@@ -116,18 +116,23 @@ def _sum_hook(state, bucket):  # unannotated on purpose: see the docstring
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def shard_policy(model: torch.nn.Module, world: int) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """``model`` sharded in place over the ``world`` ranks of the default process group with
-    FSDP2: each decoder layer (the classes a Hugging Face model names in
-    ``_no_split_modules``) is its own unit, the root holds the rest (embeddings, tied output
-    layer, final norm); gradients are summed over the ranks, not averaged. Every rank must
-    call it on the same model."""
+    FSDP2: each decoder layer (the classes the Hugging Face models in it name in
+    ``_no_split_modules``: the policy itself, or a critic's backbone) is its own unit, the
+    root holds the rest (embeddings, tied output layer, final norm, a value head);
+    gradients are summed over the ranks, not averaged. Every rank must call it on the same
+    model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     device = next(model.parameters()).device.type
     mesh = init_device_mesh(device, (world,))
-    units = set(getattr(model, "_no_split_modules", None) or ())
+    units = {
+        name
+        for module in model.modules()
+        for name in getattr(module, "_no_split_modules", None) or ()
+    }
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in units:
             fully_shard(module, mesh=mesh)

@@ -14,12 +14,15 @@ Checkpoints are rank 0's (a consolidated state), so a run resumes on any number 
 learners. A rank that dies ends the run with a clear error; its last checkpoint resumes it.
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
-shard of the policy (``distributed.shard_policy``) with its own shard of the AdamW state,
+shard of the policy (``distributed.shard_model``) with its own shard of the AdamW state,
 loaded from the run's optimiser through torch.distributed.checkpoint's full state dicts.
 Rank 0 keeps the run's whole policy beside its shard, for the rollouts, the scoring and
 the checkpoints: after each update the ranks gather the new weights into it, and before a
 checkpoint (:meth:`LearnerGroup.consolidate`) the optimiser state into the run's
-optimiser, so a checkpoint is the same consolidated state as without sharding.
+optimiser, so a checkpoint is the same consolidated state as without sharding. A critic
+(``critic.mode = "separate"``) is sharded the same way, beside the policy: every rank trains
+a shard of it, and rank 0 gathers its weights into the run's critic after each critic
+update and its AdamW state before each checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
-from anchor_rl.trainer.distributed import DataParallel, shard_policy
+from anchor_rl.trainer.distributed import DataParallel, shard_model
 from anchor_rl.trainer.update import make_optimizer, ppo_update
 
 TIMEOUT = timedelta(minutes=30)
@@ -96,16 +99,22 @@ class LearnerGroup:
         if critic is not None:
             state["critic"] = {
                 "weights": {k: v.detach().cpu() for k, v in critic[0].state_dict().items()},
-                "optimizer": critic[1].state_dict(),
+                "optimizer": (
+                    _full_optimizer_state(*critic) if sharded else critic[1].state_dict()
+                ),
             }
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
         self.critic = critic
         self.dp = DataParallel(0, world, sharded)
-        # what the update trains: the run's own policy, or this rank's shard of a copy of it
+        # what the updates train: the run's own policy and critic, or this rank's shards of
+        # copies of them (rank 0 keeps the whole ones for the loop)
         self.trained = (policy, optimizer, scheduler)
+        self.trained_critic = critic
         if sharded:
             self.trained = _sharded_learner(cfg, copy.deepcopy(policy), state)
+            if critic is not None:
+                self.trained_critic = _sharded_critic(cfg, copy.deepcopy(critic[0]), state)
 
     def update(
         self,
@@ -151,6 +160,11 @@ class LearnerGroup:
             _load_full_optimizer_state(
                 self.policy, self.optimizer, _full_optimizer_state(model, optimizer)
             )
+            if self.critic is not None:
+                assert self.trained_critic is not None
+                _load_full_optimizer_state(
+                    *self.critic, _full_optimizer_state(*self.trained_critic)
+                )
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "a checkpoint's consolidation")) from exc
 
@@ -170,7 +184,11 @@ class LearnerGroup:
                    "schedule": schedule}  # fmt: skip
         try:
             dist.broadcast_object_list([("critic", payload)], src=0)
-            return _fit_critic(*self.critic, payload, self.cfg, self.dp)
+            assert self.trained_critic is not None
+            fit = _fit_critic(*self.trained_critic, payload, self.cfg, self.dp)
+            if self.dp.sharded:  # the new weights into the run's critic
+                self.critic[0].load_state_dict(_full_weights(self.trained_critic[0]))
+            return fit
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "the critic's update")) from exc
 
@@ -216,23 +234,29 @@ def _learner_main(
     state = received[0]
     model.load_state_dict(state["weights"])
     sharded = cfg.cluster.learner_sharding == "fsdp"
-    if sharded:
-        model, optimizer, scheduler = _sharded_learner(cfg, model, state)
-    else:
-        optimizer, scheduler = make_optimizer(cfg, model.parameters())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    critic = None
-    if state["critic"] is not None:  # a replica on this rank's policy (shared mode: its body)
-        from anchor_rl.trainer.critic import critic_optimizer, new_critic
+    value_model = None
+    if state["critic"] is not None:  # a replica on this rank's policy (shared mode: its body),
+        from anchor_rl.trainer.critic import new_critic  # built before the policy is sharded
 
         value_model = new_critic(cfg, model)
         if cfg.disable_dropout:
             disable_dropout(value_model)
         value_model.load_state_dict(state["critic"]["weights"])
-        value_optimizer = critic_optimizer(cfg, value_model)
-        value_optimizer.load_state_dict(state["critic"]["optimizer"])
-        critic = (value_model, value_optimizer)
+    critic = None
+    if sharded:  # in rank 0's order: the policy's shard, then the critic's
+        model, optimizer, scheduler = _sharded_learner(cfg, model, state)
+        if value_model is not None:
+            critic = _sharded_critic(cfg, value_model, state)
+    else:
+        optimizer, scheduler = make_optimizer(cfg, model.parameters())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if value_model is not None:
+            from anchor_rl.trainer.critic import critic_optimizer
+
+            value_optimizer = critic_optimizer(cfg, value_model)
+            value_optimizer.load_state_dict(state["critic"]["optimizer"])
+            critic = (value_model, value_optimizer)
     dp = DataParallel(rank, world, sharded)
     while True:
         message: list[Any] = [None]
@@ -243,9 +267,13 @@ def _learner_main(
         if kind == "critic":
             assert critic is not None
             _fit_critic(*critic, payload, cfg, dp)
+            if sharded:  # rank 0 gathers the new weights
+                _full_weights(critic[0])
             continue
         if kind == "consolidate":  # rank 0 gathers the optimiser state
             _full_optimizer_state(model, optimizer)
+            if critic is not None:
+                _full_optimizer_state(*critic)
             continue
         ppo_update(
             model, optimizer, scheduler, payload["batch"], payload["mask"], payload["old_logp"],
@@ -262,11 +290,25 @@ def _sharded_learner(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """This rank's FSDP2 shard of ``model`` (the whole policy, loaded) with its AdamW shard
     and schedule, restored from ``state`` (the optimiser by parameter name). Collective."""
-    shard_policy(model, cfg.cluster.learners)
+    shard_model(model, cfg.cluster.learners)
     optimizer, scheduler = make_optimizer(cfg, model.parameters())
     _load_full_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return model, optimizer, scheduler
+
+
+def _sharded_critic(
+    cfg: TrainConfig, critic: Critic, state: dict[str, Any]
+) -> tuple[Critic, torch.optim.Optimizer]:
+    """This rank's FSDP2 shard of ``critic`` (a whole separate critic, loaded) with its
+    AdamW shard, restored from ``state["critic"]`` (the optimiser by parameter name).
+    Collective."""
+    from anchor_rl.trainer.critic import critic_optimizer
+
+    shard_model(critic, cfg.cluster.learners)
+    optimizer = critic_optimizer(cfg, critic)
+    _load_full_optimizer_state(critic, optimizer, state["critic"]["optimizer"])
+    return critic, optimizer
 
 
 def _full_weights(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -17,6 +17,7 @@ from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.trainer import learners as learners_module
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.learners import LearnerGroup
@@ -207,8 +208,9 @@ def test_what_learners_do_not_support_yet_is_refused() -> None:
         load_config("grpo", ["cluster.learners=2", "device=cuda"])
     assert not math.isnan(load_config("grpo", ["cluster.learners=2"]).optim.lr)
     fsdp = ["cluster.learners=2", "cluster.learner_sharding=fsdp"]
-    with pytest.raises(ConfigError, match="does not shard the critic yet"):
-        load_config("ppo", fsdp)
+    assert load_config("ppo", fsdp).cluster.learner_sharding == "fsdp"  # a separate critic
+    with pytest.raises(ConfigError, match="shards a separate critic only"):
+        load_config("ppo", [*fsdp, "critic.mode=shared"])
     with pytest.raises(ConfigError, match="scores the update padded"):
         load_config("grpo", [*fsdp, "optim.padding_free=on"])
     with pytest.raises(ConfigError, match="learner_sharding has no effect"):
@@ -216,17 +218,27 @@ def test_what_learners_do_not_support_yet_is_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["separate", "shared"])
+@pytest.mark.parametrize(
+    ("mode", "sharding"), [("separate", "replicate"), ("shared", "replicate"), ("separate", "fsdp")]
+)
 def test_a_ppo_run_on_two_learners_updates_the_critic_as_one_does(
-    mode, parity, tiny, tmp_path, one_thread
+    mode, sharding, parity, tiny, tmp_path, one_thread, monkeypatch
 ) -> None:
     """The critic's update runs data-parallel too: after 2 steps of PPO (two mini-batches a
-    step) the critic's weights, its loss and the policy are one process's within rounding."""
+    step) the critic's weights, its loss and the policy are one process's within rounding
+    (sharded: the ranks' gathered shards, in the run's whole critic and policy)."""
     base = [*tiny, "steps=2", "eval.every=0", "optim.lr=1e-2", "critic.lr=1e-2",
             "optim.mini_batches=2", "cluster.threads_per_learner=1", "optim.padding_free=off",
             f"critic.mode={mode}"]  # fmt: skip
+    shards = []  # rank 0's shard of the critic, when sharded
+    real = learners_module._sharded_critic
+    monkeypatch.setattr(
+        learners_module, "_sharded_critic", lambda *a: shards.append(real(*a)) or shards[-1]
+    )
     one = train(start_run(load_config("ppo", base), tmp_path / "one"))
-    two = train(start_run(load_config("ppo", [*base, "cluster.learners=2"]), tmp_path / "two"))
+    two = train(start_run(load_config("ppo", [*base, "cluster.learners=2",
+                                              f"cluster.learner_sharding={sharding}"]),
+                          tmp_path / "two"))  # fmt: skip
     assert one.components["critic"].learners is None
     assert two.components["critic"].learners is not None  # the update went to the ranks
     a, b = read_metrics(one.run_dir), read_metrics(two.run_dir)
@@ -238,8 +250,28 @@ def test_a_ppo_run_on_two_learners_updates_the_critic_as_one_does(
     assert all(r["critic/grad_norm"] > 0 for r in a)
     critic_one = one.components["critic"].critic.state_dict()
     critic_two = two.components["critic"].critic.state_dict()
+    assert len(shards) == (sharding == "fsdp")
+    if shards:  # rank 0 trained half of the critic, gathered into the run's whole one
+        local = sum(p.to_local().numel() for p in shards[0][0].parameters())
+        assert local <= sum(v.numel() for v in critic_two.values()) / 2 + 1000
     for name, x in critic_one.items():  # 1% of lr, as above (Adam's first steps)
         torch.testing.assert_close(x, critic_two[name], rtol=0, atol=1e-2 * 1e-2, msg=name)
     for (name, x), y in zip(one.policy.state_dict().items(), two.policy.state_dict().values(),
                             strict=True):  # fmt: skip
         torch.testing.assert_close(x, y, rtol=0, atol=1e-2 * 1e-2, msg=name)
+    # the checkpoint's critic optimiser: one learner's AdamW state (consolidated when sharded)
+    saved = [
+        torch.load(list_checkpoints(r.run_dir)[-1] / "critic.pt", weights_only=True)["optimizer"]
+        for r in (one, two)
+    ]
+    assert len(saved[1]["state"]) == len(saved[0]["state"]) == len(critic_one)
+    for a_state, b_state in zip(
+        saved[0]["state"].values(), saved[1]["state"].values(), strict=True
+    ):
+        assert float(a_state["step"]) == float(b_state["step"]) > 0
+        # within rounding: the ranks sum their gradients in another order (1e-3 of the
+        # largest moment; a wrong factor, e.g. an average instead of a sum, is 50% off)
+        scale = a_state["exp_avg"].abs().max().item()
+        torch.testing.assert_close(
+            a_state["exp_avg"], b_state["exp_avg"], rtol=1e-3, atol=1e-3 * scale
+        )
