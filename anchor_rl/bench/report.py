@@ -626,12 +626,14 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
         return [*blocks, ("p", "No `trl` suite results among the inputs.")]
     for i, (root, payload) in enumerate(results.trl):
         summary, ratio, s = payload["summary"], payload["ratios"], payload["settings"]
-        host = payload["host"]
+        host, precision = payload["host"], s.get("precision", "fp32")
+        if len(results.trl) > 1:
+            blocks.append(("h3", f"`{root.name}`: `{s['model']}`, {precision}"))
         blocks.append(
             (
                 "p",
                 f"TRL {payload['trl_version']} `GRPOTrainer` and anchor-rl's `{s['preset']}` "
-                f"preset on `{s['task']}` from `{s['model']}`: {s['steps']} steps of "
+                f"preset on `{s['task']}` from `{s['model']}`, {precision}: {s['steps']} steps of "
                 f"{s['prompts_per_step']} prompts x {s['group_size']} completions, seeds "
                 f"{', '.join(map(str, payload['seeds']))}, device {host['device']} "
                 f"({host['device_name']}, {host['torch_threads']} thread(s)). Command: "
@@ -678,6 +680,8 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
         return [*blocks, ("p", "No `throughput` suite results among the inputs.")]
     for i, (root, payload) in enumerate(results.throughput):
         host, s = payload["host"], payload["settings"]
+        if len(results.throughput) > 1:
+            blocks.append(("h3", f"`{root.name}`"))
         blocks.append(
             (
                 "p",
