@@ -209,7 +209,8 @@ class HFEngine:
     ``static`` or ``hf``.
     precision: ``model`` samples with the model's own parameters; ``bf16`` from a copy
     whose parameters are bfloat16 (as inference servers hold them; buffers such as the
-    rotary frequencies stay float32, and the sampler's softmax runs in float32). The copy is refreshed by every ``sync_weights``, which then always copies.
+    rotary frequencies stay float32, and the sampler's softmax runs in float32). The copy
+    is refreshed by every ``sync_weights``, which then always copies.
     """
 
     def __init__(
