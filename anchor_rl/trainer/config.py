@@ -261,8 +261,9 @@ class OptimConfig(_Section):
     weights, gradients, optimiser state and log-softmax. Per-token log-probs move by ~2e-3
     on average against float32 (up to ~0.25 on rare tokens; docs/results.md, "bf16"), and
     a bf16 forward depends on which rows share it, so the re-scored ratio starts at 1 only
-    within ~2e-2 (exactly 1 with the single-pass update of `rescore = auto`). The engine's
-    sampling and the critic stay float32. `off`: float32 throughout."""
+    within ~2e-2 (exactly 1 with the single-pass update of `rescore = auto`). The critic stays
+    float32; the engine samples in float32 unless `rollout.engine_args.precision=bf16`.
+    `off`: float32 throughout."""
 
 
 class EvalConfig(_Section):
