@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, astuple
 from typing import Any
 
 import torch
@@ -143,8 +144,45 @@ class PrefetchingEngine:
         gone = {id(p) for p in dropped}
         self._pending = deque(p for p in self._pending if id(p) not in gone)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The pending prefetches as plain data for a checkpoint: each call's key, its batch
+        (waited for: the workers finish sampling it first) and its age in weight syncs, so
+        a resumed run collects the very batches the uninterrupted run would have."""
+        calls = []
+        for i, (key, handle, sent_at, responses) in enumerate(self._pending):
+            batch = handle.result()
+            self._pending[i] = (key, _Done(batch), sent_at, responses)
+            requests, params, tools, instruction = key
+            calls.append({
+                "requests": [list(astuple(r)) for r in requests], "params": params,
+                "tools": list(tools), "instruction": instruction, "batch": asdict(batch),
+                "age": self.syncs - sent_at,
+            })  # fmt: skip
+        return {"pending": calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Queue a checkpoint's prefetches (:meth:`state_dict`) as collected batches of the
+        same age, ahead of any sent since."""
+        restored = []
+        for call in state["pending"]:
+            requests = tuple(Request(*r) for r in call["requests"])
+            key = (requests, call["params"], tuple(call["tools"]), call["instruction"])
+            batch = RolloutBatch(**call["batch"])
+            restored.append((key, _Done(batch), self.syncs - call["age"], len(requests)))
+        self._pending = deque([*restored, *self._pending])
+
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)
+
+
+class _Done:
+    """A prefetch whose batch is in hand (``result()``, as a pending call's)."""
+
+    def __init__(self, batch: RolloutBatch) -> None:
+        self.batch = batch
+
+    def result(self) -> RolloutBatch:
+        return self.batch
 
 
 def truncated_is_weights(

@@ -9,6 +9,8 @@ Layout of ``RUN_DIR/checkpoints/step_000042/``::
     rng.pt          python, numpy and torch global RNG states and the run's generator's
     state.json      TrainState (step, data cursor, cumulative counters) and the format
     NAME.pt         each component's state_dict() (``critic.pt``, ``pvpo.pt``, ``v05.pt``...)
+    async_prefetch.pt  asynchronous runs: the prefetched rollouts of the next steps
+                    (``PrefetchingEngine.state_dict``)
 
 A checkpoint is written to a temporary directory and renamed into place, so a run killed
 while saving leaves the previous checkpoint intact. Component states hold plain data and
@@ -24,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,9 +70,10 @@ def save_checkpoint(
     generator: torch.Generator,
     keep: int,
     components: Mapping[str, Component] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of ``state.step`` (with each component's state) and delete all
-    but the newest ``keep``."""
+    """Write the checkpoint of ``state.step`` (with each component's state, and each of
+    ``extra``'s plain-data states as ``NAME.pt``) and delete all but the newest ``keep``."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp_step_{state.step:06d}"
@@ -84,6 +88,8 @@ def save_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **asdict(state)}, indent=2))
         for name, component in (components or {}).items():
             torch.save(component.state_dict(), tmp / f"{name}.pt")
+        for name, extra_state in (extra or {}).items():
+            torch.save(extra_state, tmp / f"{name}.pt")
     except (OSError, RuntimeError) as exc:  # disk full, quota, permissions: no partial files
         shutil.rmtree(tmp, ignore_errors=True)
         previous = list_checkpoints(run_dir)

@@ -51,6 +51,8 @@ from anchor_rl.trainer.v05_probe import V05Probe
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.", "cluster.")
+PREFETCH_STATE = "async_prefetch"
+"""The checkpoint file (``NAME.pt``) of an asynchronous run's prefetched rollouts."""
 """Fields a resumed run may change: how long it runs, what it records and where its work
 runs (rollouts are seeded per request, checkpoints are one consolidated state), not what it
 learns."""
@@ -102,9 +104,12 @@ class Run:
         self.state.consumed = self.sampler.consumed
         if self.learners is not None:
             self.learners.consolidate()
+        extra = {}
+        if isinstance(self.engine, PrefetchingEngine):  # the next steps' rollouts, exactly
+            extra[PREFETCH_STATE] = self.engine.state_dict()
         return checkpoint.save_checkpoint(
             self.run_dir, self.state, self.policy, self.tokenizer, self.optimizer,
-            self.scheduler, self.generator, self.cfg.checkpoint.keep, self.components,
+            self.scheduler, self.generator, self.cfg.checkpoint.keep, self.components, extra,
         )  # fmt: skip
 
 
@@ -194,6 +199,9 @@ def resume_run(
     with checkpoint.readable(path):
         checkpoint.load_training_states(path, run.optimizer, run.scheduler, run.generator)
         checkpoint.load_components(path, run.components)
+        prefetched = path / f"{PREFETCH_STATE}.pt"
+        if isinstance(run.engine, PrefetchingEngine) and prefetched.is_file():
+            run.engine.load_state_dict(torch.load(prefetched, weights_only=True))
     return run
 
 

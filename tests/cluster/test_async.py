@@ -5,10 +5,12 @@ and the refused settings."""
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import metrics_but_timings
 
 from anchor_rl.cluster import RayEngine
 from anchor_rl.models.factory import build_model
@@ -19,7 +21,7 @@ from anchor_rl.trainer.asynchronous import PrefetchingEngine, truncated_is_weigh
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
-from anchor_rl.trainer.run import start_run
+from anchor_rl.trainer.run import resume_run, start_run
 
 PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12)
 
@@ -94,6 +96,40 @@ def test_an_asynchronous_run_divides_by_the_weights_that_sampled(
             torch.testing.assert_close(batch.logprobs, logp, rtol=0, atol=1e-5)
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_resumes_with_the_rollouts_it_had_prefetched(
+    ray_local, parity, tiny, tmp_path, one_thread
+) -> None:
+    """k = 2: the checkpoint after step 1 holds the rollouts already sampled for steps 2 and
+    3, so the run resumed from it logs the metrics and ends with the weights of the run that
+    went on (without them step 2 would be sampled afresh, with staleness 0)."""
+    overrides = [*tiny, "steps=3", "optim.lr=1e-2", "eval.every=0", "cluster.rollout_workers=1",
+                 "cluster.async_steps=2", "rollout.engine_args.threads_per_worker=1",
+                 "checkpoint.every=1", "checkpoint.keep=3"]  # fmt: skip
+    whole = start_run(load_config("grpo", overrides), tmp_path / "whole")
+    try:
+        train(whole)
+    finally:
+        whole.engine.close()
+    saved = torch.load(
+        tmp_path / "whole/checkpoints/step_000001/async_prefetch.pt", weights_only=True
+    )
+    # steps 2 and 3, both sent during step 1 before its update's weight sync
+    assert [call["age"] for call in saved["pending"]] == [1, 1]
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    resumed = resume_run(tmp_path / "resumed", from_checkpoint="step_000001")
+    try:
+        train(resumed)
+    finally:
+        resumed.engine.close()
+    a, b = metrics_but_timings(whole.run_dir), metrics_but_timings(resumed.run_dir)
+    assert [r["async/staleness"] for r in b if "async/staleness" in r] == [0.0, 1.0, 2.0]
+    assert a == b
+    for (name, x), y in zip(whole.policy.state_dict().items(),
+                            resumed.policy.state_dict().values(), strict=True):  # fmt: skip
+        assert torch.equal(x, y), name
 
 
 class _Submitting:
