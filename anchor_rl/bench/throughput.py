@@ -356,9 +356,13 @@ def run_throughput_suite(
             }
         )
     cfg = specs[0].config
+    command = command_line("throughput", out, seeds, steps, overrides, profile)
+    if sizes is not None or layouts is not None:  # a subset the CLI does not choose
+        command += f" (from Python: run_throughput_suite(..., sizes={wanted!r}, layouts="
+        command += f"{None if layouts is None else tuple(layouts)!r}))"
     payload = {
         "suite": "throughput",
-        "command": command_line("throughput", out, seeds, steps, overrides, profile),
+        "command": command,
         "host": host_info(device),
         "settings": {
             "preset": cfg.preset,

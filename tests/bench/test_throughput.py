@@ -71,7 +71,7 @@ def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
     assert payload["host"]["device"] == "cpu" and payload["settings"]["warmup_steps_excluded"] == 0
     assert "| tiny |" in (out / "throughput.md").read_text()
     assert (out / "stage_time.png").stat().st_size > 0
-    assert "--profile quick" in payload["command"]
+    assert "--profile quick" in payload["command"] and "from Python" not in payload["command"]
     assert f["rollout_peak_frac"] > 0 and f["update_peak_frac"] > 0
 
 

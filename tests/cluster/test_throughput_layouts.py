@@ -38,3 +38,5 @@ def test_two_workers_and_two_learners_measure_a_step(ray_local, tmp_path, one_th
     config = json.loads((tmp_path / "tp" / "grpo+tiny-w2l2" / "seed0" / "config.json").read_text())
     assert config["cluster"]["rollout_workers"] == 2 and config["cluster"]["learners"] == 2
     assert "| tiny | 2 workers, 2 learners |" in result["summary_md"].read_text()
+    # the layout subset is part of the command that reproduces the figures
+    assert payload["command"].endswith("sizes=('tiny',), layouts=('w2l2',)))")
