@@ -6,7 +6,9 @@ Keeps the suite's own result files (summaries, the probe's and the simulator's) 
 ``pvpo.json`` and ``pvpo_filter.json`` (the anchor key the amortised cost groups by), the
 metrics every figure and curve of the report reads (the other per-step keys dropped, floats
 to 6 significant digits) and the per-prompt held-out results of the first and last
-evaluation (what the paired table compares; packed, ``read_evals`` unpacks them).
+evaluation (what the paired table compares; packed, ``read_evals`` unpacks them), both
+gzipped (``metrics.jsonl.gz``, ``evals.jsonl.gz``: a run's per-step lines repeat their keys
+and shrink about six-fold; every reader of a run directory takes either form).
 Training-prompt per-prompt results and checkpoints are left out. A suite of another shape
 (``trl-pvpo``) keeps only its summary (``trl_pvpo.json`` holds every seed's figures);
 machine paths become the copy's path or, for the anchor store, its file name.
@@ -14,6 +16,7 @@ machine paths become the copy's path or, for the anchor store, its file name.
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -65,6 +68,12 @@ def compact_evals(path: Path) -> str:
     )
 
 
+def write_gzip(path: Path, text: str) -> None:
+    """``text`` gzipped to ``path``, byte for byte the same for the same text (no timestamp),
+    so re-compacting an unchanged suite changes no committed file."""
+    path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+
+
 def compact_presample(path: Path) -> str:
     """A run's pvpo.json with the anchor store's machine path reduced to its file name."""
     summary = json.loads(path.read_text())
@@ -101,9 +110,9 @@ def main(source: Path, dest: Path) -> None:
         if (run / "pvpo.json").is_file():
             (out / "pvpo.json").write_text(compact_presample(run / "pvpo.json"))
         if (run / "metrics.jsonl").is_file():
-            (out / "metrics.jsonl").write_text(compact_metrics(run / "metrics.jsonl"))
+            write_gzip(out / "metrics.jsonl.gz", compact_metrics(run / "metrics.jsonl"))
         if (run / "evals.jsonl").is_file():
-            (out / "evals.jsonl").write_text(compact_evals(run / "evals.jsonl"))
+            write_gzip(out / "evals.jsonl.gz", compact_evals(run / "evals.jsonl"))
 
 
 if __name__ == "__main__":

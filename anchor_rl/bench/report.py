@@ -284,8 +284,10 @@ def _suite_methods(root: Path, summary: Mapping[str, Any]) -> list[Method]:
 
 def _run_dir(root: Path, run: Mapping[str, Any]) -> Path | None:
     """A run's directory: as stored, or where the runner puts it under the suite's directory."""
+    from anchor_rl.trainer.logging import METRICS_FILE, jsonl_path
+
     for candidate in (Path(run["dir"]), root / run["label"] / f"seed{run['seed']}"):
-        if (candidate / "metrics.jsonl").is_file():
+        if jsonl_path(candidate / METRICS_FILE).is_file():
             return candidate
     return None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,6 +36,15 @@ def parse_task_kwargs(text: str | None, hint: str = "--task-kwargs") -> dict[str
     return value
 
 
+def parse_class_stop(text: str | None) -> dict[str, Any] | bool | None:
+    """``--class-stop``: None (the task's default), ``on``, ``off`` or a JSON object."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("on", "off"):
+        return text.strip().lower() == "on"
+    return parse_task_kwargs(text, "--class-stop")
+
+
 def sft(
     task: Annotated[
         str, typer.Option(help="Task name (see anchor_rl.tasks.get_task).")
@@ -43,7 +53,11 @@ def sft(
         str, typer.Option(help="Model size: tiny (~1M), small (~10M), base (~50M).")
     ] = "tiny",
     steps: Annotated[
-        int | None, typer.Option(help="Optimiser steps. Default: the task's tuned value.")
+        int | None,
+        typer.Option(
+            help="Optimiser steps (with --class-stop: the most it may take). "
+            "Default: the task's tuned value."
+        ),
     ] = None,
     lr: Annotated[
         float | None, typer.Option(help="Peak learning rate. Default: the task's tuned value.")
@@ -65,6 +79,14 @@ def sft(
     out: Annotated[
         Path | None,
         typer.Option(help="Model directory. Default: $ANCHOR_RL_CACHE/sft/<config hash>."),
+    ] = None,
+    class_stop: Annotated[
+        str | None,
+        typer.Option(
+            help="Stop where a validation slice of the training prompts has all three accuracy "
+            "classes: 'on' (defaults), 'off', or a JSON object of ClassStop fields "
+            "(min_share, val_prompts, every, start, k, coarse). Default: the task's tuned value."
+        ),
     ] = None,
     teacher: Annotated[
         bool,
@@ -99,17 +121,22 @@ def sft(
         )
     kwargs = parse_task_kwargs(task_kwargs)
     data = None if data_kwargs is None else parse_task_kwargs(data_kwargs, "--data-kwargs")
+    stop = parse_class_stop(class_stop)
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
-    cfg = default_config(
-        task, size, role, steps=steps, lr=lr, batch_size=batch_size, seed=seed, task_kwargs=kwargs,
-        data_kwargs=data,
-    )  # fmt: skip
+    try:
+        cfg = default_config(
+            task, size, role, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+            task_kwargs=kwargs, data_kwargs=data, class_stop=stop,
+        )  # fmt: skip
+    except (TypeError, ValueError) as exc:  # a bad --steps, --lr or --class-stop field
+        raise typer.BadParameter(str(exc)) from exc
     cached = is_complete(sft_dir(cfg, out), cfg)
     source = "tuned for this task" if task in TASK_DEFAULTS else "generic defaults"
     typer.echo(
         f"SFT {task}/{size}{' teacher' if teacher else ''}: steps={cfg.steps} lr={cfg.lr} batch_size={cfg.batch_size}"
         + (f" data_kwargs={json.dumps(cfg.data_kwargs)}" if cfg.data_kwargs else "")
+        + (f" class_stop={json.dumps(asdict(cfg.class_stop))}" if cfg.class_stop else "")
         + f" ({source})"
     )
     path = train_sft(
@@ -123,6 +150,7 @@ def sft(
         data_kwargs=data,
         out=out,
         role=role,
+        class_stop=stop,
     )
     typer.echo(
         "cached, not retrained:" if cached else f"trained; loss curve: {path / 'loss_curve.png'}"

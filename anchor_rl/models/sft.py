@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,7 @@ from anchor_rl.progress import Progress
 if TYPE_CHECKING:
     from anchor_rl.tasks.base import Record, Task
 
+_log = logging.getLogger(__name__)
 SFT_VERSION = 3  # bump whenever a code change alters what a given config trains
 GENERIC_DEFAULTS: dict[str, Any] = {"steps": 400, "lr": 3e-3, "batch_size": 32}
 # Calibrated in docs/testbed.md (tiny reference, 8 samples at T=1 on the training prompts).
@@ -51,6 +54,91 @@ ROLES = ("reference", "teacher")
 
 
 @dataclass(frozen=True)
+class ClassStop:
+    """Stop SFT where the reference leaves prompts in all three accuracy classes.
+
+    A fixed step count lands each SFT seed at a different point of a steep learning curve
+    (docs/testbed.md), so the reference's accuracy classes move with the seed. With a
+    ``ClassStop``, ``val_prompts`` training records are held out of the SFT data as a
+    validation slice mixed like the test split (:func:`validation_slice`); every ``every`` steps from ``start`` on (and at the last step)
+    ``k`` samples at T = 1 are drawn per validation prompt and the shares of prompts with
+    acc = 0, 0 < acc < 1 and acc = 1 measured; while the latest thinnest share is under
+    half of ``min_share`` (far from the window) the next evaluation comes ``coarse`` times
+    ``every`` steps later instead (:func:`next_evaluation`). The run stops once the acc = 0 share falls
+    below ``min_share`` (it only falls from there) or at ``SFTConfig.steps``, and keeps
+    the evaluated weights whose thinnest class is largest (:func:`choose_stop`). The test
+    split is never looked at.
+    """
+
+    min_share: float = 0.15
+    val_prompts: int = 512
+    every: int = 50
+    start: int = 0
+    k: int = 8
+    coarse: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_share < 1 / 3 + 1e-9:
+            raise ValueError(f"min_share must be in (0, 1/3], got {self.min_share}")
+        for name in ("val_prompts", "every", "k", "coarse"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k < 2:
+            raise ValueError(f"k must be >= 2 to tell the three classes apart, got {self.k}")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+
+    @classmethod
+    def parse(cls, value: ClassStop | dict[str, Any] | bool | None) -> ClassStop | None:
+        """A ``ClassStop`` from itself, a dict of its fields, ``True`` (the defaults) or
+        ``False`` / ``None`` (no early stop)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown class_stop keys: {', '.join(sorted(unknown))}")
+            return cls(**value)
+        raise TypeError(f"class_stop must be a dict, bool or None, got {type(value).__name__}")
+
+
+CLASSES = ("acc=0", "0<acc<1", "acc=1")
+
+
+def thinnest_class(shares: dict[str, float]) -> float:
+    """The smallest of the three accuracy-class shares in ``shares``."""
+    return min(shares[c] for c in CLASSES)
+
+
+def next_evaluation(step: int, shares: dict[str, float], stop: ClassStop) -> int:
+    """The step of the evaluation after one at ``step`` with class ``shares``: ``every``
+    steps on, or ``coarse * every`` while the thinnest class is under ``min_share / 2``
+    (evaluations dominate the cost of a slow seed's long approach to the window)."""
+    far = thinnest_class(shares) < stop.min_share / 2
+    return step + stop.every * (stop.coarse if far else 1)
+
+
+def choose_stop(evals: list[dict[str, Any]], min_share: float) -> tuple[bool, int]:
+    """``(stop, best)`` after the validation evaluations so far (oldest first).
+
+    ``best`` indexes the evaluation whose thinnest class share is largest (ties: the larger
+    second-thinnest share, then the earliest); ``stop`` is whether the latest has fewer
+    than ``min_share`` of its prompts at acc = 0. Training only moves prompts out of acc = 0, so from there the window where all
+    three classes hold ``min_share`` lies behind the run, and ``best`` is the point in it
+    (or the nearest one) that leaves most prompts in the thinnest class.
+    """
+    if not evals:
+        raise ValueError("no evaluations to choose from")
+    scores = [sorted(e[c] for c in CLASSES)[:2] for e in evals]
+    best = max(range(len(evals)), key=lambda i: (*scores[i], -i))
+    return evals[-1]["acc=0"] < min_share, best
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     """Everything that determines an SFT run (and so its cache key).
 
@@ -61,6 +149,9 @@ class SFTConfig:
     size: a key of ``SIZES``. steps, batch_size: optimiser steps and sequences per step.
     lr: peak AdamW learning rate (linear warmup over ``warmup`` steps, cosine decay to
     ``lr / 10``). seed: model initialisation and data order.
+    class_stop: stop where a validation slice of the training prompts has all three
+    accuracy classes (:class:`ClassStop`; ``steps`` is then the budget); None: train
+    exactly ``steps`` steps on every training record.
     """
 
     task: str
@@ -74,8 +165,10 @@ class SFTConfig:
     grad_clip: float = 1.0
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     data_kwargs: dict[str, Any] = field(default_factory=dict)
+    class_stop: ClassStop | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "class_stop", ClassStop.parse(self.class_stop))
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,8 +176,12 @@ class SFTConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     def key(self) -> str:
-        """A 16-hex-digit hash of the config and ``SFT_VERSION``."""
-        blob = json.dumps({"version": SFT_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        """A 16-hex-digit hash of the config and ``SFT_VERSION`` (a config without
+        ``class_stop`` hashes as it did before the field existed)."""
+        values = asdict(self)
+        if values["class_stop"] is None:
+            del values["class_stop"]
+        blob = json.dumps({"version": SFT_VERSION, **values}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -102,7 +199,7 @@ def default_config(
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     values = {**GENERIC_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
     if role == "teacher":
-        uncalibrated = {"data_kwargs": {}, "steps": 2 * values["steps"]}
+        uncalibrated = {"data_kwargs": {}, "steps": 2 * values["steps"], "class_stop": None}
         values.update({**uncalibrated, **TEACHER_DEFAULTS.get(task, {})})
     values.update({k: v for k, v in overrides.items() if v is not None})
     for name in ("task_kwargs", "data_kwargs"):
@@ -227,13 +324,18 @@ def is_complete(path: Path, cfg: SFTConfig) -> bool:
 
 def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
     """Train per ``cfg`` and save model, tokenizer, ``sft_config.json``, ``loss.json`` and
-    ``loss_curve.png`` to ``out``. Returns the per-step losses."""
+    ``loss_curve.png`` to ``out`` (with ``cfg.class_stop``, also ``class_stop.json``: every
+    validation evaluation and the step kept). Returns the per-step losses."""
 
     from anchor_rl.tasks import get_task
 
     task = get_task(cfg.task, **{**cfg.task_kwargs, **cfg.data_kwargs})
     tokenizer = build_tokenizer()
     records = task.records("train")
+    stop = cfg.class_stop
+    validation: list[Record] = []
+    if stop is not None:
+        records, validation = validation_slice(records, task.records("test"), stop.val_prompts)
     if not records:
         raise ValueError(f"task {cfg.task!r} has no train records")
     examples = [sft_example(tokenizer, task, r) for r in records]
@@ -244,6 +346,7 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
     )
     generator = torch.Generator().manual_seed(cfg.seed)
     losses: list[float] = []
+    checks = _ValidationStop(stop, model, tokenizer, task, validation) if stop else None
     with Progress(f"sft {cfg.task}/{cfg.size}", cfg.steps, enabled=progress) as bar:
         lengths = [len(ids) for ids, _ in examples]
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.steps, generator)
@@ -256,15 +359,141 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             losses.append(loss.item())
-            bar.update(advance=1, info=f"loss {losses[-1]:.4f}")
+            done = (
+                checks is not None and checks.due(step + 1, cfg.steps) and checks.evaluate(step + 1)
+            )
+            info = f"loss {losses[-1]:.4f}"
+            if checks is not None and checks.evals:
+                info += f" | {checks.describe()}"
+            bar.update(advance=1, info=info)
+            if done:
+                break
+    if checks is not None:
+        checks.restore()
+        kept = checks.summary()
+        if not kept["met_target"]:
+            _log.warning(
+                "class_stop: no validation evaluation had %.0f%% of the prompts in every "
+                "accuracy class; kept step %d (%s). See %s",
+                100 * checks.stop.min_share, kept["kept_step"],
+                ", ".join(f"{c} {kept['kept'][c]:.2f}" for c in CLASSES), "docs/testbed.md",
+            )  # fmt: skip
     model.eval()
     save_policy(model, tokenizer, out)
+    if checks is not None:
+        (out / "class_stop.json").write_text(json.dumps(kept, indent=2))
     (out / "loss.json").write_text(json.dumps(losses))
     save_loss_curve(losses, out / "loss_curve.png", f"SFT {cfg.task} / {cfg.size}")
     (out / "sft_config.json").write_text(
         json.dumps({"key": cfg.key(), "version": SFT_VERSION, **asdict(cfg)}, indent=2)
     )
     return losses
+
+
+def validation_slice(
+    train: list[Record], test: list[Record], n: int
+) -> tuple[list[Record], list[Record]]:
+    """``(rest, validation)``: ``n`` training records held out, mixed like the test split.
+
+    When every record has a ``meta["difficulty"]``, the slice takes each difficulty in its
+    test-split share (largest remainders; the last training records of that difficulty,
+    so the choice is deterministic), because a training split can be mixed differently
+    from the test split (arithmetic's three-operand prompts run out while the training
+    split is drawn) and a harder validation slice would stop SFT late. A difficulty with
+    too few training records, or records without difficulties, fall back to the last
+    training records. ``rest`` keeps the training order.
+    """
+    if not 0 < n < len(train):
+        raise ValueError(
+            f"cannot hold out {n} of {len(train)} training records as a validation slice"
+        )
+    chosen: list[int] = []
+    if test and all("difficulty" in r.meta for r in (*train, *test)):
+        levels = Counter(r.meta["difficulty"] for r in test)
+        exact = {d: n * c / len(test) for d, c in levels.items()}
+        quota = {d: math.floor(x) for d, x in exact.items()}
+        for d in sorted(exact, key=lambda d: quota[d] - exact[d])[: n - sum(quota.values())]:
+            quota[d] += 1
+        for i in reversed(range(len(train))):
+            d = train[i].meta["difficulty"]
+            if quota.get(d, 0) > 0:
+                chosen.append(i)
+                quota[d] -= 1
+    taken = set(chosen)
+    chosen += [i for i in reversed(range(len(train))) if i not in taken][: n - len(chosen)]
+    held = set(chosen)
+    rest = [r for i, r in enumerate(train) if i not in held]
+    return rest, [train[i] for i in sorted(held)]
+
+
+class _ValidationStop:
+    """The bookkeeping of a :class:`ClassStop` run: evaluations, the best weights so far."""
+
+    def __init__(
+        self,
+        stop: ClassStop,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+        records: list[Record],
+    ) -> None:
+        from anchor_rl.rollout.engine import HFEngine
+        from anchor_rl.rollout.evaluate import trace_budget
+        from anchor_rl.rollout.types import SamplingParams
+
+        self.stop, self.model, self.task, self.records = stop, model, task, records
+        self.engine = HFEngine(model, tokenizer)
+        budget = trace_budget(tokenizer, task, records)
+        self.params = SamplingParams(temperature=1.0, max_new_tokens=budget, stop=task.stop)
+        self.evals: list[dict[str, Any]] = []
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best = -1
+        self.next = 0  # the first step an evaluation may run at
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to evaluate after optimiser step ``step`` (1-based) of ``last``."""
+        scheduled = step >= self.stop.start and step % self.stop.every == 0
+        return step == last or (scheduled and step >= self.next)
+
+    def evaluate(self, step: int) -> bool:
+        """Evaluate the live model on the validation slice; True when the run should stop."""
+        from anchor_rl.rollout.evaluate import evaluate
+
+        result = evaluate(
+            self.engine, self.task, "validation", self.stop.k, self.params,
+            seed="sft-class-stop", records=self.records,
+        )  # fmt: skip
+        keep = (f"avg@{self.stop.k}", *CLASSES)
+        self.evals.append({"step": step, **{name: result[name] for name in keep}})
+        self.next = next_evaluation(step, self.evals[-1], self.stop)
+        stop, best = choose_stop(self.evals, self.stop.min_share)
+        if best != self.best:
+            self.best = best
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return stop
+
+    def describe(self) -> str:
+        """The latest evaluation, for the progress line."""
+        last = self.evals[-1]
+        shares = " / ".join(f"{last[c]:.2f}" for c in CLASSES)
+        avg = last[f"avg@{self.stop.k}"]
+        return f"val at step {last['step']}: avg@{self.stop.k} {avg:.3f}, classes {shares}"
+
+    def restore(self) -> None:
+        """Load the kept weights into the model."""
+        if self.best_state is None:
+            raise RuntimeError("class_stop ran no validation evaluation")
+        self.model.load_state_dict(self.best_state)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``class_stop.json`` holds: the settings, every evaluation and the step kept."""
+        return {
+            "class_stop": asdict(self.stop),
+            "kept_step": self.evals[self.best]["step"],
+            "kept": self.evals[self.best],
+            "met_target": thinnest_class(self.evals[self.best]) >= self.stop.min_share,
+            "evaluations": self.evals,
+        }
 
 
 def train_sft(
@@ -280,11 +509,13 @@ def train_sft(
     out: str | Path | None = None,
     progress: bool = True,
     role: str = "reference",
+    class_stop: ClassStop | dict[str, Any] | bool | None = None,
 ) -> Path:
     """Train (or fetch from cache) the SFT reference for a task; returns its directory.
 
     ``None`` arguments take the task's tuned defaults (``TASK_DEFAULTS``; with
-    ``role="teacher"``, the built-in teacher's: ``TEACHER_DEFAULTS``, no curriculum). Without
+    ``role="teacher"``, the built-in teacher's: ``TEACHER_DEFAULTS``, no curriculum;
+    ``class_stop=False`` turns a task's default early stop off). Without
     ``out`` the model goes to ``cache_root() / "sft" / <config hash>``. A directory that
     already holds a finished run of the same config is returned without training; a run
     is written to a temporary sibling first and moved into place when complete.
@@ -299,6 +530,7 @@ def train_sft(
         seed=seed,
         task_kwargs=task_kwargs,
         data_kwargs=data_kwargs,
+        class_stop=class_stop,
     )
     path = sft_dir(cfg, out)
     if is_complete(path, cfg):

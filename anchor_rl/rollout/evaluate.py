@@ -106,8 +106,12 @@ def evaluate(
     seed: Hashable = 0,
     chunk: int = 256,
     progress: bool = False,
+    records: Sequence[Record] | None = None,
 ) -> dict[str, Any]:
     """Sample k responses for each of the first ``limit`` records of ``split`` and score them.
+
+    ``records``: evaluate these instead of the split's (a validation slice, for example);
+    ``split`` then only names them in the result and in the samples' seeds.
 
     ``params`` defaults to ``SamplingParams(stop=task.stop)``; the task's tools are used.
     Sample ``j`` of record ``r`` is seeded by ``("eval", seed, split, r.id, j)``, so the
@@ -121,7 +125,7 @@ def evaluate(
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     params = params or SamplingParams(stop=task.stop)
-    records = task.records(split)[:limit]
+    records = list(task.records(split) if records is None else records)[:limit]
     if not records:
         raise ValueError(f"task {task.name!r} has no {split} records")
     per_chunk = max(1, chunk // k)

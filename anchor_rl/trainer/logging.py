@@ -7,6 +7,7 @@ reads. W&B and MLflow are imported only when asked for.
 
 from __future__ import annotations
 
+import gzip
 import json
 import warnings
 from collections.abc import Mapping
@@ -119,19 +120,27 @@ def open_sinks(
     return sinks
 
 
+def jsonl_path(path: Path) -> Path:
+    """``path``, or ``path`` + ``.gz`` where only that exists: committed compact results
+    (``scripts/compact_results.py``) store their JSON lines gzipped."""
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    return packed if not path.exists() and packed.is_file() else path
+
+
 def read_metrics(path: Path) -> list[dict[str, float]]:
-    """The records of a metrics.jsonl file (a run directory or the file itself); a torn last
-    line (a process killed while writing it) is dropped with a warning."""
+    """The records of a metrics.jsonl file (a run directory or the file itself, gzipped or
+    not); a torn last line (a process killed while writing it) is dropped with a warning."""
     path = Path(path)
     if path.is_dir():
-        path = path / METRICS_FILE
+        path = jsonl_path(path / METRICS_FILE)
     return read_jsonl(path)
 
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
-    """The per-prompt evaluation records of a run (:data:`EVALS_FILE`), oldest first; [] for a
-    run that wrote none. A split packed by :func:`pack_counts` is unpacked."""
-    path = Path(run_dir) / EVALS_FILE
+    """The per-prompt evaluation records of a run (:data:`EVALS_FILE`, gzipped or not), oldest
+    first; [] for a run that wrote none. A split packed by :func:`pack_counts` is unpacked."""
+    path = jsonl_path(Path(run_dir) / EVALS_FILE)
     records = read_jsonl(path) if path.is_file() else []
     for record in records:
         for split, entry in record.items():
@@ -167,7 +176,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a file a run appends to, one per line. Only the last line may be
     torn (a kill -9 mid-write): it is dropped with a warning; a bad line before it is an
     error naming the file and the line."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
         try:

@@ -21,7 +21,7 @@ from anchor_rl.bench.summary import (
 )
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
-from anchor_rl.trainer.logging import read_evals
+from anchor_rl.trainer.logging import read_evals, read_metrics
 
 
 def _compact_module():
@@ -195,16 +195,22 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     run, copy = out / "grpo+short" / "seed0", dest / "grpo+short" / "seed0"
     assert sorted(p.name for p in copy.iterdir()) == [
         "config.json",
-        "evals.jsonl",
-        "metrics.jsonl",
+        "evals.jsonl.gz",
+        "metrics.jsonl.gz",
         "summary.json",
     ]
     full = read_evals(run)
     assert read_evals(copy) == [{"step": e["step"], "test": e["test"]} for e in (full[0], full[-1])]
+    assert [r["step"] for r in read_metrics(copy)] == [r["step"] for r in read_metrics(run)]
+    again = tmp_path / "compact-again"  # the same suite compacts to the same bytes
+    compact.main(out, again)
+    assert (again / "grpo+short" / "seed0" / "metrics.jsonl.gz").read_bytes() == (
+        copy / "metrics.jsonl.gz"
+    ).read_bytes()
     assert (dest / "summary.json").is_file()
     # ... and a suite re-run over compact results skips their finished runs (no checkpoints),
     # refusing only to extend one it cannot resume
-    kept = copy / "metrics.jsonl"
+    kept = copy / "metrics.jsonl.gz"
     before_copy = kept.stat().st_mtime_ns
     run_suite(suite, BenchArgs(dest, echo=lambda _: None))
     assert kept.stat().st_mtime_ns == before_copy
@@ -308,3 +314,16 @@ def test_summarise_and_markdown_by_hand() -> None:
     assert final["values"] == [0.4, 0.5, 0.6]
     table = markdown_table("s", [group])
     assert "| grpo | 3 | – | 0.500 ± 0.248 |" in table
+
+
+def test_testbed_sampled_differs_from_testbed_only_in_how_it_evaluates(tmp_path) -> None:
+    sampled = {(s.label, s.seed): s.config for s in plan(load_suite("testbed-sampled"), tmp_path)}
+    greedy = {(s.label, s.seed): s.config for s in plan(load_suite("testbed"), tmp_path / "g")}
+    assert sorted({label for label, _ in sampled}) == ["grpo", "grpo+lr1e4", "grpo+steps400"]
+    for key, config in sampled.items():
+        assert (config.eval.k, config.eval.temperature, config.eval.prompts) == (4, 1.0, 1000)
+        same = greedy[key].model_dump()
+        mine = config.model_dump()
+        for name in ("k", "temperature"):
+            same["eval"].pop(name), mine["eval"].pop(name)
+        assert mine == same, key

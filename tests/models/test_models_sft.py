@@ -196,3 +196,142 @@ def test_sft_cli_trains_the_teacher(copy_task, monkeypatch):
     )  # no teacher entry: 2 x the reference's
     stored = json.loads((sft.cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
     assert (stored["steps"], stored["data_kwargs"]) == (6, {})
+
+
+def shares(acc0, mid, acc1):
+    return {"acc=0": acc0, "0<acc<1": mid, "acc=1": acc1}
+
+
+def test_choose_stop_keeps_the_evaluation_with_the_largest_thinnest_class():
+    evals = [shares(0.6, 0.4, 0.0), shares(0.3, 0.6, 0.1)]
+    assert sft.choose_stop(evals, 0.15) == (False, 1)  # acc=0 still 0.30: keep going
+    evals.append(shares(0.2, 0.6, 0.2))  # thinnest 0.20: the best so far
+    evals.append(shares(0.1, 0.5, 0.4))  # acc=0 under 0.15: the window is behind the run
+    assert sft.choose_stop(evals, 0.15) == (True, 2)
+    # equal thinnest classes: the larger second-thinnest share wins, then the earlier one
+    assert sft.choose_stop([shares(1.0, 0.0, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 1)
+    assert sft.choose_stop([shares(0.9, 0.1, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 0)
+    with pytest.raises(ValueError, match="no evaluations"):
+        sft.choose_stop([], 0.15)
+
+
+def test_class_stop_settings_parse_validate_and_key_the_config():
+    assert sft.ClassStop.parse(None) is None and sft.ClassStop.parse(False) is None
+    assert sft.ClassStop.parse(True) == sft.ClassStop()
+    assert sft.ClassStop.parse({"every": 20}).every == 20
+    with pytest.raises(ValueError, match="unknown class_stop keys: often"):
+        sft.ClassStop.parse({"often": 1})
+    with pytest.raises(ValueError, match="k must be >= 2"):
+        sft.ClassStop(k=1)
+    with pytest.raises(ValueError, match="min_share"):
+        sft.ClassStop(min_share=0.5)
+    plain = sft.SFTConfig(task="copy")
+    stopped = sft.SFTConfig(task="copy", class_stop={"every": 20})
+    assert stopped.class_stop == sft.ClassStop(every=20) and stopped.key() != plain.key()
+    # a config without class_stop keeps the key it had before the field existed (caches stay)
+    from dataclasses import asdict
+
+    old = {k: v for k, v in asdict(plain).items() if k != "class_stop"}
+    blob = json.dumps({"version": sft.SFT_VERSION, **old}, sort_keys=True, default=str)
+    assert plain.key() == __import__("hashlib").sha256(blob.encode()).hexdigest()[:16]
+    # the teacher trains its fixed steps; False turns a task's default stop off
+    assert sft.default_config("arithmetic", "tiny", "teacher").class_stop is None
+    assert sft.default_config("arithmetic", class_stop=False).class_stop is None
+
+
+class AnswerCopyTask(CopyTask):
+    """CopyTask without the tool call: a tiny model learns it in a few dozen steps."""
+
+    def trace(self, record):
+        return f"<answer>{record.answer}</answer>"
+
+
+@pytest.mark.slow
+def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_path, monkeypatch):
+    from anchor_rl.models.loading import load_policy
+    from anchor_rl.rollout.engine import HFEngine
+    from anchor_rl.rollout.evaluate import evaluate, trace_budget
+    from anchor_rl.rollout.types import SamplingParams
+
+    copy_task = AnswerCopyTask()
+    monkeypatch.setattr(anchor_rl.tasks, "get_task", lambda name, **kw: copy_task, raising=False)
+    trained_on = set()
+    example = sft.sft_example
+
+    def spy(tokenizer, task, record):
+        trained_on.add(record.id)
+        return example(tokenizer, task, record)
+
+    monkeypatch.setattr(sft, "sft_example", spy)
+    # the rule itself is checked by hand above; here it keeps the 3rd evaluation (step 30)
+    # and stops after the 4th, so the saved weights are not the last ones trained
+    monkeypatch.setattr(
+        sft, "choose_stop", lambda evals, share: (len(evals) == 4, min(2, len(evals) - 1))
+    )
+    stop = sft.ClassStop(min_share=0.1, val_prompts=16, every=10, k=4, coarse=1)
+    cfg = sft.SFTConfig(task="copy", steps=60, batch_size=16, lr=3e-3, class_stop=stop)
+    losses = sft.run_sft(cfg, tmp_path / "m", progress=False)
+    validation = copy_task.records("train")[-16:]
+    assert trained_on == {r.id for r in copy_task.records("train")[:-16]}  # 48 of 64
+
+    report = json.loads((tmp_path / "m" / "class_stop.json").read_text())
+    steps = [e["step"] for e in report["evaluations"]]
+    assert steps == [10, 20, 30, 40] and len(losses) == 40
+    kept = report["kept"]
+    assert report["kept_step"] == kept["step"] == 30
+    assert report["met_target"] == (min(kept[c] for c in sft.CLASSES) >= 0.1)
+
+    # the saved model is the kept one: re-evaluating it reproduces the kept evaluation
+    model, tokenizer = load_policy(tmp_path / "m")
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=trace_budget(tokenizer, copy_task, validation),
+        stop=copy_task.stop,
+    )  # fmt: skip
+    again = evaluate(HFEngine(model, tokenizer), copy_task, "validation", 4, params,
+                     seed="sft-class-stop", records=validation)  # fmt: skip
+    assert {c: again[c] for c in ("avg@4", *sft.CLASSES)} == {
+        c: kept[c] for c in ("avg@4", *sft.CLASSES)
+    }
+
+
+def test_validation_slice_is_mixed_like_the_test_split():
+    def recs(levels):
+        return [Record(id=str(i), prompt="", answer="", meta={"difficulty": d})
+                for i, d in enumerate(levels)]  # fmt: skip
+
+    train = recs([1, 1, 1, 2, 2, 2, 2, 2, 2, 2])  # 30% level 1; the test split is half
+    rest, val = sft.validation_slice(train, recs([1, 1, 2, 2]), 4)
+    assert [r.id for r in val] == ["1", "2", "8", "9"]  # the last two of each level
+    assert [r.id for r in rest] == ["0", "3", "4", "5", "6", "7"]
+    # odd quotas go to the largest remainders: 3 of a 2:1 test mix -> 2 and 1
+    _, val = sft.validation_slice(train, recs([2, 2, 1]), 3)
+    assert [r.meta["difficulty"] for r in val] == [1, 2, 2]
+    # a level the training split lacks, or no difficulties: the last training records
+    _, val = sft.validation_slice(train, recs([3, 3]), 2)
+    assert [r.id for r in val] == ["8", "9"]
+    plain = [Record(id=str(i), prompt="", answer="") for i in range(5)]
+    assert [r.id for r in sft.validation_slice(plain, plain, 2)[1]] == ["3", "4"]
+    with pytest.raises(ValueError, match="cannot hold out 5 of 5"):
+        sft.validation_slice(plain, plain, 5)
+
+
+def test_sft_cli_class_stop_values(copy_task, monkeypatch):
+    from typer.testing import CliRunner
+
+    from anchor_rl.cli import app
+    from anchor_rl.models.commands import parse_class_stop
+
+    assert parse_class_stop(None) is None and parse_class_stop("OFF") is False
+    assert parse_class_stop("on") is True and parse_class_stop('{"k": 4}') == {"k": 4}
+    monkeypatch.setitem(anchor_rl.tasks.TASKS, "copy", CopyTask)
+    bad = CliRunner().invoke(app, ["sft", "--task", "copy", "--class-stop", '{"often": 1}'])
+    assert bad.exit_code == 2 and "unknown class_stop keys: often" in bad.output
+    bad = CliRunner().invoke(app, ["sft", "--task", "copy", "--class-stop", "sometimes"])
+    assert bad.exit_code == 2 and "--class-stop" in bad.output
+
+
+def test_evaluations_come_coarse_while_far_from_the_window():
+    stop = sft.ClassStop(min_share=0.15, every=50, coarse=4)
+    assert sft.next_evaluation(1000, shares(0.7, 0.3, 0.0), stop) == 1200  # thinnest 0 < 0.075
+    assert sft.next_evaluation(1200, shares(0.5, 0.42, 0.08), stop) == 1250  # 0.08: near
+    assert sft.next_evaluation(1250, shares(0.5, 0.42, 0.08), sft.ClassStop(coarse=1)) == 1300
