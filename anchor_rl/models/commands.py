@@ -107,6 +107,7 @@ def sft(
 
     from anchor_rl.models.factory import SIZES
     from anchor_rl.models.sft import TASK_DEFAULTS, default_config, is_complete, sft_dir, train_sft
+    from anchor_rl.rollout.evaluate import class_shares
 
     role = "teacher" if teacher else "reference"
     from anchor_rl.tasks import TASKS
@@ -151,6 +152,7 @@ def sft(
         out=out,
         role=role,
         class_stop=stop,
+        validate=class_shares,
     )
     typer.echo(
         "cached, not retrained:" if cached else f"trained; loss curve: {path / 'loss_curve.png'}"

@@ -19,12 +19,13 @@ import math
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
@@ -107,6 +108,13 @@ class ClassStop:
 
 
 CLASSES = ("acc=0", "0<acc<1", "acc=1")
+
+Validator = Callable[
+    [PreTrainedModel, PreTrainedTokenizerBase, "Task", list["Record"], int], dict[str, float]
+]
+"""``(model, tokenizer, task, records, k) -> {"avg@k", "acc=0", "0<acc<1", "acc=1"}``: a class
+stop's evaluation of the live model on its validation records (the model may be in training
+mode; leave it as it was). ``anchor_rl.rollout.evaluate.class_shares`` is the built-in one."""
 
 
 def thinnest_class(shares: dict[str, float]) -> float:
@@ -322,10 +330,21 @@ def is_complete(path: Path, cfg: SFTConfig) -> bool:
     return json.loads(meta.read_text()).get("key") == cfg.key()
 
 
-def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
+def run_sft(
+    cfg: SFTConfig, out: Path, progress: bool = True, validate: Validator | None = None
+) -> list[float]:
     """Train per ``cfg`` and save model, tokenizer, ``sft_config.json``, ``loss.json`` and
     ``loss_curve.png`` to ``out`` (with ``cfg.class_stop``, also ``class_stop.json``: every
-    validation evaluation and the step kept). Returns the per-step losses."""
+    validation evaluation and the step kept). Returns the per-step losses.
+
+    validate: how ``cfg.class_stop`` evaluates the live model (:data:`Validator`; the
+    sampling engine sits a layer above this package, so the caller passes
+    ``anchor_rl.rollout.evaluate.class_shares``); required with a class stop.
+    """
+    if cfg.class_stop is not None and validate is None:
+        raise ValueError(
+            "class_stop needs a validator: pass validate=anchor_rl.rollout.evaluate.class_shares"
+        )
 
     from anchor_rl.tasks import get_task
 
@@ -346,7 +365,9 @@ def run_sft(cfg: SFTConfig, out: Path, progress: bool = True) -> list[float]:
     )
     generator = torch.Generator().manual_seed(cfg.seed)
     losses: list[float] = []
-    checks = _ValidationStop(stop, model, tokenizer, task, validation) if stop else None
+    checks = None
+    if stop is not None and validate is not None:
+        checks = _ValidationStop(stop, validate, model, tokenizer, task, validation)
     with Progress(f"sft {cfg.task}/{cfg.size}", cfg.steps, enabled=progress) as bar:
         lengths = [len(ids) for ids, _ in examples]
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.steps, generator)
@@ -432,19 +453,14 @@ class _ValidationStop:
     def __init__(
         self,
         stop: ClassStop,
+        validate: Validator,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         task: Task,
         records: list[Record],
     ) -> None:
-        from anchor_rl.rollout.engine import HFEngine
-        from anchor_rl.rollout.evaluate import trace_budget
-        from anchor_rl.rollout.types import SamplingParams
-
-        self.stop, self.model, self.task, self.records = stop, model, task, records
-        self.engine = HFEngine(model, tokenizer)
-        budget = trace_budget(tokenizer, task, records)
-        self.params = SamplingParams(temperature=1.0, max_new_tokens=budget, stop=task.stop)
+        self.stop, self.validate, self.model, self.task = stop, validate, model, task
+        self.tokenizer, self.records = tokenizer, records
         self.evals: list[dict[str, Any]] = []
         self.best_state: dict[str, torch.Tensor] | None = None
         self.best = -1
@@ -457,14 +473,9 @@ class _ValidationStop:
 
     def evaluate(self, step: int) -> bool:
         """Evaluate the live model on the validation slice; True when the run should stop."""
-        from anchor_rl.rollout.evaluate import evaluate
-
-        result = evaluate(
-            self.engine, self.task, "validation", self.stop.k, self.params,
-            seed="sft-class-stop", records=self.records,
-        )  # fmt: skip
+        shares = self.validate(self.model, self.tokenizer, self.task, self.records, self.stop.k)
         keep = (f"avg@{self.stop.k}", *CLASSES)
-        self.evals.append({"step": step, **{name: result[name] for name in keep}})
+        self.evals.append({"step": step, **{name: shares[name] for name in keep}})
         self.next = next_evaluation(step, self.evals[-1], self.stop)
         stop, best = choose_stop(self.evals, self.stop.min_share)
         if best != self.best:
@@ -510,12 +521,14 @@ def train_sft(
     progress: bool = True,
     role: str = "reference",
     class_stop: ClassStop | dict[str, Any] | bool | None = None,
+    validate: Validator | None = None,
 ) -> Path:
     """Train (or fetch from cache) the SFT reference for a task; returns its directory.
 
     ``None`` arguments take the task's tuned defaults (``TASK_DEFAULTS``; with
     ``role="teacher"``, the built-in teacher's: ``TEACHER_DEFAULTS``, no curriculum;
-    ``class_stop=False`` turns a task's default early stop off). Without
+    ``class_stop=False`` turns a task's default early stop off; a class stop needs
+    ``validate``, see :func:`run_sft`). Without
     ``out`` the model goes to ``cache_root() / "sft" / <config hash>``. A directory that
     already holds a finished run of the same config is returned without training; a run
     is written to a temporary sibling first and moved into place when complete.
@@ -543,7 +556,7 @@ def train_sft(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        run_sft(cfg, tmp, progress=progress)
+        run_sft(cfg, tmp, progress=progress, validate=validate)
         if is_complete(path, cfg):  # a concurrent run of the same config finished first
             return path
         if path.exists():

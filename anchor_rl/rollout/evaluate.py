@@ -14,11 +14,11 @@ from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.progress import Progress
 from anchor_rl.rewards.extract import extract_answer
-from anchor_rl.rollout.engine import Engine, group_requests
+from anchor_rl.rollout.engine import Engine, group_requests, make_engine
 from anchor_rl.rollout.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -175,3 +175,22 @@ def evaluate(
         "by_difficulty": by_difficulty(records, correct, k),
         "per_prompt": {r.id: c for r, c in zip(records, correct, strict=True)},
     }
+
+
+def class_shares(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    records: Sequence[Record],
+    k: int,
+) -> dict[str, float]:
+    """avg@k and the shares of ``records`` at acc = 0, 0 < acc < 1 and acc = 1 over ``k``
+    samples at T = 1 (top-p 1) from ``model`` in the in-process ``hf`` engine, the response
+    budget from the task's traces (:func:`trace_budget`), each sample seeded by its record
+    (``seed="sft-class-stop"``, split ``"validation"``). The validator of SFT's class stop
+    (``anchor_rl.models.sft.ClassStop``); the model is left in the mode it was in."""
+    engine = make_engine("hf", model, tokenizer)
+    budget = trace_budget(tokenizer, task, records)
+    params = SamplingParams(temperature=1.0, max_new_tokens=budget, stop=task.stop)
+    result = evaluate(engine, task, "validation", k, params, seed="sft-class-stop", records=records)
+    return {name: result[name] for name in (f"avg@{k}", "acc=0", "0<acc<1", "acc=1")}

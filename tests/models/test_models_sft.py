@@ -249,9 +249,7 @@ class AnswerCopyTask(CopyTask):
 @pytest.mark.slow
 def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_path, monkeypatch):
     from anchor_rl.models.loading import load_policy
-    from anchor_rl.rollout.engine import HFEngine
-    from anchor_rl.rollout.evaluate import evaluate, trace_budget
-    from anchor_rl.rollout.types import SamplingParams
+    from anchor_rl.rollout.evaluate import class_shares
 
     copy_task = AnswerCopyTask()
     monkeypatch.setattr(anchor_rl.tasks, "get_task", lambda name, **kw: copy_task, raising=False)
@@ -270,7 +268,9 @@ def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_
     )
     stop = sft.ClassStop(min_share=0.1, val_prompts=16, every=10, k=4, coarse=1)
     cfg = sft.SFTConfig(task="copy", steps=60, batch_size=16, lr=3e-3, class_stop=stop)
-    losses = sft.run_sft(cfg, tmp_path / "m", progress=False)
+    with pytest.raises(ValueError, match="class_stop needs a validator"):
+        sft.run_sft(cfg, tmp_path / "m", progress=False)
+    losses = sft.run_sft(cfg, tmp_path / "m", progress=False, validate=class_shares)
     validation = copy_task.records("train")[-16:]
     assert trained_on == {r.id for r in copy_task.records("train")[:-16]}  # 48 of 64
 
@@ -283,15 +283,8 @@ def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_
 
     # the saved model is the kept one: re-evaluating it reproduces the kept evaluation
     model, tokenizer = load_policy(tmp_path / "m")
-    params = SamplingParams(
-        temperature=1.0, max_new_tokens=trace_budget(tokenizer, copy_task, validation),
-        stop=copy_task.stop,
-    )  # fmt: skip
-    again = evaluate(HFEngine(model, tokenizer), copy_task, "validation", 4, params,
-                     seed="sft-class-stop", records=validation)  # fmt: skip
-    assert {c: again[c] for c in ("avg@4", *sft.CLASSES)} == {
-        c: kept[c] for c in ("avg@4", *sft.CLASSES)
-    }
+    again = class_shares(model, tokenizer, copy_task, validation, 4)
+    assert again == {c: kept[c] for c in ("avg@4", *sft.CLASSES)}
 
 
 def test_validation_slice_is_mixed_like_the_test_split():
