@@ -131,6 +131,9 @@ def test_replicas_accumulate_uneven_micro_batches_and_join_a_mini_batch_without_
         assert isinstance(group.dp.wrap(models[1], ScoringForward), DistributedDataParallel)
     finally:
         group.close()
+    # every rank left by itself (0), none was killed after close's join timeout (-9): the
+    # ranks' exit used to deadlock in a DDP reducer's process-group destructor
+    assert [p.exitcode for p in group.processes] == [0]
     for key in ("loss/policy", "grad_norm"):
         assert two[key] == pytest.approx(single[key], rel=1e-5), key
     for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values(),
