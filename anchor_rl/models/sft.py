@@ -395,9 +395,9 @@ def run_sft(
         if not kept["met_target"]:
             _log.warning(
                 "class_stop: no validation evaluation had %.0f%% of the prompts in every "
-                "accuracy class; kept step %d (%s). See %s",
+                "accuracy class; kept step %d (%s). See docs/testbed.md",
                 100 * checks.stop.min_share, kept["kept_step"],
-                ", ".join(f"{c} {kept['kept'][c]:.2f}" for c in CLASSES), "docs/testbed.md",
+                ", ".join(f"{c} {kept['kept'][c]:.2f}" for c in CLASSES),
             )  # fmt: skip
     model.eval()
     save_policy(model, tokenizer, out)
