@@ -56,3 +56,61 @@ def metrics_but_timings(run_dir: Path) -> list[dict]:
          if not k.startswith("time/") and "seconds" not in k}
         for r in read_metrics(run_dir)
     ]  # fmt: skip
+
+
+def response_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """A RolloutBatch of these prompts and right-padded responses (every response token a
+    policy token), each row its own group."""
+    import torch
+
+    from anchor_rl.batch import RolloutBatch
+
+    b, t = len(prompts), max(len(r) for r in responses)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, t)
+    for i, r in enumerate(responses):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1.0
+    return RolloutBatch(
+        group=torch.arange(b),
+        prompt_ids=prompts,
+        response_ids=ids,
+        attention_mask=mask,
+        loss_mask=mask.clone(),
+        logprobs=torch.zeros(b, t),
+        texts=[""] * b,
+        tool_calls=torch.zeros(b, dtype=torch.long),
+        truncated=torch.zeros(b, dtype=torch.bool),
+        pad_id=pad_id,
+    )
+
+
+def llama_variants(tokenizer) -> dict:
+    """Three small models with plain Llama layers: the built-in ``tiny``, a Llama with
+    grouped-query attention and a Qwen2 (q/k/v biases), seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from anchor_rl.models.factory import build_model
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    small |= dict(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return {
+        "tiny": build_model("tiny", tokenizer, seed=0),
+        "llama-gqa": LlamaForCausalLM(LlamaConfig(**small)),
+        "qwen2": Qwen2ForCausalLM(Qwen2Config(**small)),
+    }
+
+
+def scores_and_gradients(model, batch, **layout):
+    """``token_logprobs`` of ``batch`` under ``model`` with entropy, in the layout of the
+    keyword arguments: ``(logp, entropy, gradients)`` of ``logp.sum() + 0.1 * entropy.sum()``
+    (every parameter's gradient, in order); the model's gradients are cleared after."""
+    from anchor_rl.models.scoring import token_logprobs
+
+    logp, entropy = token_logprobs(model, batch, with_entropy=True, **layout)
+    (logp.sum() + 0.1 * entropy.sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), entropy.detach(), grads

@@ -26,7 +26,8 @@ process with one thread on the plain paths (the model's own forward for decoding
 ``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update as
 they were before the static cache and packing); the driver then has one thread. Layout
 ``t1b`` is the one process at one thread with its forward passes in bf16
-(``optim.autocast=bf16``), ``l2f``
+(``optim.autocast=bf16``), ``t1n`` the same without shared-prefix scoring
+(``optim.shared_prefix=off``: each response's prompt scored with it, packed), ``l2f``
 the 2 learners sharded with FSDP2 (``cluster.learner_sharding=fsdp``). A row's
 ``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
 one process at the machine's threads (today's default).
@@ -95,6 +96,7 @@ LAYOUTS: dict[str, Layout] = {
         1,
         {"optim": {"autocast": "bf16"}, "rollout": {"engine_args": {"precision": "bf16"}}},
     ),
+    "t1n": Layout("1 process, 1 thread, no shared prefix", 1, {"optim": {"shared_prefix": "off"}}),
     "t1p": Layout(
         "1 process, 1 thread, plain",
         1,

@@ -92,9 +92,11 @@ DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "scoring forward",
-        "padding-free: each row's real tokens packed end to end (`optim.padding_free=auto`)",
-        "a padded batch (prompt and completion tensors)",
-        "each library's default layout; the same log-probs up to float rounding",
+        "padding-free, each prompt once for the group that shares it "
+        "(`optim.padding_free=auto`, `optim.shared_prefix=auto`)",
+        "a padded batch (prompt and completion tensors): each prompt once per completion",
+        "each library's default layout; the same log-probs up to float rounding (the prompt's "
+        "share of the forward and backward pass is paid once per group by anchor-rl)",
     ),
     (
         "old log-probs",

@@ -1,6 +1,6 @@
 """Log-probs and entropies of response tokens under a causal LM.
 
-Two layouts compute the same function (up to float rounding, pinned in the tests):
+Three layouts compute the same function (up to float rounding, pinned in the tests):
 
 - padded: the prompt is left-padded and the response right-padded, then the two are
   concatenated: ``[pad.. prompt | response ..pad]``, so every response starts at the same
@@ -14,6 +14,10 @@ Two layouts compute the same function (up to float rounding, pinned in the tests
   ``padding_free``). Only real tokens are computed, and the output layer runs only on the
   states that predict response tokens. Used for Llama-architecture models
   (:func:`packing_supported`), whose masks honour the format.
+- shared prefix: as packed, but each distinct prompt runs through the model once for all
+  the rows that share it (:mod:`anchor_rl.models.shared_prefix`); a GRPO group of n
+  responses pays for its prompt once instead of n times. Used where a prompt repeats and
+  the model's layers are plain Llama layers.
 """
 
 from __future__ import annotations
@@ -23,8 +27,27 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from anchor_rl.models.padding import left_pad, position_ids
+from anchor_rl.models.shared_prefix import (
+    SharedPrefixLayout,
+    has_shared_prompt,
+    shared_prefix_logits,
+    shared_prefix_unsupported,
+)
+
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
+
+__all__ = [  # left_pad and position_ids live in models.padding; imported from here too
+    "ScoringForward",
+    "entropy_from_logp",
+    "left_pad",
+    "pack_prompt_response",
+    "pack_rows",
+    "packing_supported",
+    "position_ids",
+    "token_logprobs",
+]
 
 
 def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
@@ -35,23 +58,6 @@ def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
     """
     finite = logp.clamp(min=torch.finfo(logp.dtype).min)
     return -(logp.exp() * finite).sum(-1)
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ``(ids[B, L], mask[B, L])`` (CPU, long; mask 1 on real tokens)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids ``[B, L]`` for a padding mask: each row counts its real tokens from 0."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def pack_prompt_response(
@@ -103,14 +109,16 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
 
 
 class ScoringForward(torch.nn.Module):
-    """One scoring pass of a causal LM as one call of this module, in either layout.
+    """One scoring pass of a causal LM as one call of this module, in any layout.
 
     A wrapper that hooks a module's ``forward`` -- ``DistributedDataParallel``, whose hooks
-    prepare the gradient all-reduce -- must see every pass, and the packed layout calls the
-    decoder and the output layer separately; this module makes both one call.
-    ``forward(ids, positions, mask=None, keep=0, select=None)``: padded (``select`` None),
-    the model's logits ``[B, keep, V]`` of the last ``keep`` columns; packed, the logits
-    ``[N, V]`` of the states at ``select = (bins[N], cols[N])``.
+    prepare the gradient all-reduce -- must see every pass, and the packed and shared-prefix
+    layouts call the model's parts separately; this module makes each pass one call.
+    ``forward(ids, positions, mask=None, keep=0, select=None, shared=None)``: padded
+    (``select`` and ``shared`` None), the model's logits ``[B, keep, V]`` of the last
+    ``keep`` columns; packed, the logits ``[N, V]`` of the states at ``select = (bins[N],
+    cols[N])``; shared prefix (``ids`` and ``positions`` unused), the logits ``[N, V]`` of
+    the layout's response tokens.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -124,7 +132,10 @@ class ScoringForward(torch.nn.Module):
         mask: torch.Tensor | None = None,
         keep: int = 0,
         select: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shared: SharedPrefixLayout | None = None,
     ) -> torch.Tensor:
+        if shared is not None:
+            return shared_prefix_logits(self.lm, shared)
         if select is None:
             return self.lm(
                 input_ids=ids,
@@ -137,15 +148,13 @@ class ScoringForward(torch.nn.Module):
         return self.lm.lm_head(hidden.last_hidden_state[select])
 
 
-def _score_packed(
-    model: PreTrainedModel,
-    forward: torch.nn.Module,
-    batch: RolloutBatch,
-    with_entropy: bool,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_score` in the packed layout (see the module docstring)."""
-    device = model.device
+Flat = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(logits[N, V], row_of[N], t_of[N])``: the logits of a batch's N real response tokens
+and each token's row and column (row by row, CPU index tensors)."""
+
+
+def _packed_logits(device: torch.device, forward: torch.nn.Module, batch: RolloutBatch) -> Flat:
+    """The response tokens' logits in the packed layout (see the module docstring)."""
     response_len = batch.attention_mask.sum(-1).long().tolist()
     responses = batch.response_ids.tolist()
     rows = [[*p, *r[:n]] for p, r, n in zip(batch.prompt_ids, responses, response_len, strict=True)]
@@ -163,7 +172,24 @@ def _score_packed(
     )
     bins, cols = torch.as_tensor(where)[row_of], starts[row_of] + t_of
     select = (bins.to(device), cols.to(device))
-    logits = forward(ids.to(device), pos.to(device), select=select)  # [N, V]
+    return forward(ids.to(device), pos.to(device), select=select), row_of, t_of
+
+
+def _shared_logits(device: torch.device, forward: torch.nn.Module, batch: RolloutBatch) -> Flat:
+    """The response tokens' logits in the shared-prefix layout
+    (:mod:`anchor_rl.models.shared_prefix`)."""
+    layout = SharedPrefixLayout.of(batch)
+    unused = torch.zeros(0, dtype=torch.long)
+    return forward(unused, unused, shared=layout.to(device)), layout.row_of, layout.t_of
+
+
+def _token_outputs(
+    flat: Flat, batch: RolloutBatch, with_entropy: bool, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logp[B, T], entropy[B, T] | None)`` from the logits of the response tokens (0 at
+    the columns past each response)."""
+    logits, row_of, t_of = flat
+    device = logits.device
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     tokens = batch.response_ids[row_of, t_of].to(device)
     shape, where_rt = batch.response_ids.shape, (row_of.to(device), t_of.to(device))
@@ -199,21 +225,29 @@ def token_logprobs(
     temperature: float = 1.0,
     packed: bool | None = None,
     forward: torch.nn.Module | None = None,
+    shared: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``batch.response_ids`` given the prompts: ``(logp[B, T], entropy[B, T] | None)``.
 
     Both are 0 where ``batch.attention_mask`` is 0 and live on the model's device.
     Gradients flow when called with grad enabled. ``micro_batch`` bounds the rows per
     forward pass (the ``[rows, T, V]`` logits are the memory peak). ``temperature``
-    divides the logits first (1.0: the model's own distribution). ``packed`` picks the
-    layout (module docstring): ``None`` packs where :func:`packing_supported`. ``forward``:
-    the module each pass calls, a wrapper of ``ScoringForward(model)`` such as
+    divides the logits first (1.0: the model's own distribution). ``forward``: the module
+    each pass calls, a wrapper of ``ScoringForward(model)`` such as
     ``DistributedDataParallel`` (default: ``ScoringForward(model)`` itself).
+
+    The layout (module docstring): ``packed`` False scores padded. Otherwise ``shared``
+    True scores each pass with shared prefixes (ValueError if the model cannot be), None
+    does where a prompt repeats within the pass and :func:`shared_prefix_unsupported` has
+    no objection, and the rest packs (``packed`` None: where :func:`packing_supported`;
+    True: ValueError if not).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    if shared and packed is False:
+        raise ValueError("shared-prefix scoring is padding-free: it cannot run with packed=False")
     b = len(batch)
     step = micro_batch or b
     chunks = (
@@ -221,15 +255,24 @@ def token_logprobs(
         if step >= b
         else [batch.select(range(i, min(i + step, b))) for i in range(0, b, step)]
     )
+    if shared and (reason := shared_prefix_unsupported(model)):
+        raise ValueError(f"shared-prefix scoring cannot run {type(model).__name__}: {reason}")
     if packed is None:
         packed = packing_supported(model)
     elif packed and not packing_supported(model):
         raise ValueError(
             f"packed scoring needs a Llama-architecture model, not {type(model).__name__}"
         )
-    score = _score_packed if packed else _score
+    can_share = packed and shared is not False and shared_prefix_unsupported(model) is None
     forward = ScoringForward(model) if forward is None else forward
-    parts = [score(model, forward, chunk, with_entropy, temperature) for chunk in chunks]
+    parts = []
+    for chunk in chunks:
+        if not packed:
+            parts.append(_score(model, forward, chunk, with_entropy, temperature))
+            continue
+        share = bool(shared) or (can_share and has_shared_prompt(chunk.prompt_ids))
+        flat = (_shared_logits if share else _packed_logits)(model.device, forward, chunk)
+        parts.append(_token_outputs(flat, chunk, with_entropy, temperature))
     logp = torch.cat([p[0] for p in parts])
     entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
     return logp, entropy

@@ -14,7 +14,8 @@ left-padded contexts, then one ``step`` per generated token, dropping finished r
   once per turn for the whole budget, and a boolean padding mask sliced to the current
   column. Finished rows stay in the batch until fewer than three quarters of the rows
   are live, then the buffers are compacted, so a turn copies its cache O(log B) times
-  instead of once per finished row.
+  instead of once per finished row. The prefill runs each distinct context once and
+  copies its keys and values to the rows that share it (the n samples of a prompt).
 
 Both compute the same function; they differ in floating-point rounding only (the
 reduction order of the attention over a longer, masked key axis), pinned in the tests to
@@ -27,6 +28,8 @@ from typing import Literal, Protocol
 
 import torch
 from transformers import PreTrainedModel
+
+from anchor_rl.models.llama import finish, llama_unsupported, project
 
 DecodeMode = Literal["auto", "static", "hf"]
 DECODE_MODES: tuple[str, ...] = ("auto", "static", "hf")
@@ -85,29 +88,9 @@ class HFDecoder:
         self.mask = self.mask[index]
 
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
-
-
 def static_unsupported(model: PreTrainedModel) -> str | None:
     """Why :class:`StaticDecoder` cannot run ``model`` (``None`` when it can)."""
-    config = model.config
-    kind = getattr(config, "model_type", None)
-    if kind not in _LLAMA_LIKE:
-        return f"model_type {kind!r} is not one of {', '.join(_LLAMA_LIKE)}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "the model uses sliding-window attention"
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not hasattr(model.model, "rotary_emb"):
-        return "the model has no model.layers / model.rotary_emb"
-    attn = layers[0].self_attn
-    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return "its attention has no q/k/v/o projections"
-    if (
-        any(hasattr(attn, extra) for extra in ("q_norm", "k_norm", "sinks", "rotary_fn"))
-        or getattr(config, "pretraining_tp", 1) != 1
-    ):
-        return "its attention is not plain Llama attention"
-    return None
+    return llama_unsupported(model)
 
 
 def decoder_for(model: PreTrainedModel, mode: DecodeMode = "auto") -> Decoder:
@@ -129,14 +112,6 @@ def _bias(attend: torch.Tensor) -> torch.Tensor:
     """The additive attention mask of a boolean one: 0 where ``attend``, -inf elsewhere."""
     zeros = torch.zeros(attend.shape, device=attend.device)
     return zeros.masked_fill_(~attend, float("-inf"))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x[B, H, T, D]`` with ``cos``/``sin`` ``[B, 1, T, D]`` (half-split
-    rotation, as Llama's ``apply_rotary_pos_emb``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class StaticDecoder:
@@ -173,20 +148,49 @@ class StaticDecoder:
         b, length = ids.shape
         width = length + budget
         device = ids.device
-        dtype = self.inner.embed_tokens.weight.dtype
-        shape = (b, self.kv_heads, width, self.head_dim)
-        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in self.inner.layers]
-        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in self.inner.layers]
-        self.keep = torch.zeros((b, width), dtype=torch.bool, device=device)
-        self.keep[:, :length] = mask.bool()
-        self.rows = torch.arange(b, device=device)
+        # a context that several rows share (n samples of one prompt) is run once, and its
+        # keys and values are copied to every row that has it
+        first: dict[tuple[int, ...], int] = {}
+        distinct: list[int] = []  # a row of each context
+        copy_of = []  # each row's context
+        for row, key in enumerate(map(tuple, torch.cat([ids, mask], 1).tolist())):
+            if key not in first:
+                first[key] = len(distinct)
+                distinct.append(row)
+            copy_of.append(first[key])
+        shared = len(distinct) < b
+        self.keys, self.values = self._buffers(len(distinct), length if shared else width, device)
+        self.keep = torch.zeros((len(distinct), width), dtype=torch.bool, device=device)
+        self.keep[:, :length] = mask[distinct].bool()
         # causal and padding mask; a padding query attends to itself so no row is empty
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         attend = causal[None] & self.keep[:, None, :length]
         attend |= torch.eye(length, dtype=torch.bool, device=device)[None]
-        hidden = self._layers(self.inner.embed_tokens(ids), pos, _bias(attend[:, None]), 0, length)
+        embedded = self.inner.embed_tokens(ids[distinct])
+        hidden = self._layers(embedded, pos[distinct], _bias(attend[:, None]), 0, length)
+        logits = self._logits(hidden[:, -1:, :])
+        if shared:  # every row its own buffers, with room for the budget
+            rows = torch.as_tensor(copy_of, device=device)
+            keys, values = self._buffers(b, width, device)
+            for full, part in zip(keys + values, self.keys + self.values, strict=True):
+                full[:, :, :length] = part[rows]
+            self.keys, self.values = keys, values
+            self.keep, logits = self.keep[rows], logits[rows]
+        self.rows = torch.arange(b, device=device)
         self.column = length
-        return self._logits(hidden[:, -1:, :])
+        return logits
+
+    def _buffers(
+        self, rows: int, width: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Uninitialised key and value buffers ``[rows, H_kv, width, D]``, one per layer."""
+        dtype = self.inner.embed_tokens.weight.dtype
+        shape = (rows, self.kv_heads, width, self.head_dim)
+        new = [
+            torch.empty(shape, device=device, dtype=dtype)
+            for _ in range(2 * len(self.inner.layers))
+        ]
+        return new[: len(self.inner.layers)], new[len(self.inner.layers) :]
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if len(tokens) != len(self.rows):
@@ -226,29 +230,26 @@ class StaticDecoder:
         (0 or -inf) says which of the first ``K = start + n`` columns each query sees."""
         b = hidden.shape[0]
         cos, sin = self.inner.rotary_emb(hidden, pos)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
         end = start + n
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
         for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = _rotate(attn.q_proj(x).view(b, n, heads, d).transpose(1, 2), cos, sin)
-            k = attn.k_proj(x).view(b, n, kv_heads, d).transpose(1, 2)
-            keys[:, :, start:end] = _rotate(k, cos, sin)
-            values[:, :, start:end] = attn.v_proj(x).view(b, n, kv_heads, d).transpose(1, 2)
+            q, k, v = project(layer, hidden, cos, sin)  # [B, n, heads | kv_heads, D]
+            keys[:, :, start:end] = k.transpose(1, 2)
+            values[:, :, start:end] = v.transpose(1, 2)
             # batched matmuls on strided views of the buffers (no copy of the cache):
             # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
             width = keys.shape[2]
             k_seen = keys.view(b * kv_heads, width, d)[:, :end]
             v_seen = values.view(b * kv_heads, width, d)[:, :end]
-            scores = torch.bmm(q.reshape(b * kv_heads, group * n, d), k_seen.transpose(1, 2))
+            q = q.transpose(1, 2).reshape(b * kv_heads, group * n, d)
+            scores = torch.bmm(q, k_seen.transpose(1, 2))
             scores = scores.view(b, heads, n, end).mul_(self.scaling).add_(bias)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
             probs = probs.view(b * kv_heads, group * n, end)
             out = torch.bmm(probs, v_seen).view(b, heads, n, d)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, n, heads * d))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = finish(layer, hidden, out.transpose(1, 2).reshape(b, n, heads * d))
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -255,6 +255,13 @@ class OptimConfig(_Section):
     ids restarting per row (Llama-architecture models; `on` fails for others, `auto` falls
     back); `off`: left-padded prompts and right-padded responses. The two agree within
     float rounding (1e-5 on log-probs); packing skips the padding's compute."""
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
+    """Score each distinct prompt once for all the responses that share it (a GRPO group's
+    n responses pay for their prompt once, in the forward and the backward pass), the
+    responses attending to its keys and values. `auto`: in every padding-free pass where a
+    prompt repeats and the model's layers are plain Llama layers; `on`: in every pass
+    (fails for other models); `off`: never. Agrees with the other layouts within float
+    rounding (1e-5 on log-probs); needs `padding_free` auto or on."""
     autocast: Literal["off", "bf16"] = "off"
     """`bf16`: the policy's and the reference's forward passes (re-scoring, reference
     scoring, the update) under torch.autocast with bfloat16: bf16 matmuls, float32
@@ -618,6 +625,11 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
                 f"advantage.estimator={est} has no token returns to discount",
             )
         )
+    if cfg.optim.shared_prefix == "on" and cfg.optim.padding_free == "off":
+        errors.append(
+            "optim.shared_prefix=on with optim.padding_free=off: the shared-prefix forward is "
+            "padding-free; set optim.padding_free=auto or optim.shared_prefix=off"
+        )
     uses_ref = cfg.needs_ref or pvpo or v05_anchor
     if cfg.ref_model is not None and not uses_ref:
         errors.append(
@@ -739,6 +751,12 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
             errors.append(
                 "cluster.learner_sharding=fsdp scores the update padded (the packed forward "
                 "bypasses the root module FSDP gathers through): set optim.padding_free=auto or off"
+            )
+        if cfg.optim.shared_prefix == "on":
+            errors.append(
+                "cluster.learner_sharding=fsdp scores the update padded (the shared-prefix "
+                "forward runs the layers' parts, which FSDP does not gather): set "
+                "optim.shared_prefix=auto or off"
             )
     if cfg.cluster.learners > 1 and not cfg.device.startswith("cpu"):
         errors.append(

@@ -63,7 +63,7 @@ def score_logprobs(
                 with_entropy=with_entropy,
                 micro_batch=cfg.optim.micro_batch_size,
                 temperature=cfg.rollout.temperature,
-                packed=packed(cfg),
+                **layout(cfg),
             )
     finally:
         model.train(was_training)
@@ -79,9 +79,13 @@ def forward_precision(model: torch.nn.Module, cfg: TrainConfig) -> AbstractConte
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
-def packed(cfg: TrainConfig) -> bool | None:
-    """``token_logprobs``'s ``packed`` for ``optim.padding_free`` (None: where supported)."""
-    return {"auto": None, "on": True, "off": False}[cfg.optim.padding_free]
+def layout(cfg: TrainConfig, sharded: bool = False) -> dict[str, bool | None]:
+    """``token_logprobs``'s ``packed`` and ``shared`` for ``optim.padding_free`` and
+    ``optim.shared_prefix`` (None: where supported); ``sharded`` (FSDP learners): padded."""
+    if sharded or cfg.optim.padding_free == "off":
+        return {"packed": False, "shared": False}
+    on = {"auto": None, "on": True, "off": False}
+    return {"packed": on[cfg.optim.padding_free], "shared": on[cfg.optim.shared_prefix]}
 
 
 def behaviour_logprobs(old_logp: Tensor, batch: RolloutBatch, off_policy: Tensor) -> Tensor:
@@ -269,11 +273,11 @@ def _accumulate(
     parts = list(torch.split(mine, cfg.optim.micro_batch_size or len(mine))) if len(mine) else []
     forward = None if dp is None else dp.wrap(model, ScoringForward)
     passes: Iterable[Tensor | None] = parts
-    layout = packed(cfg)
+    shape = layout(cfg)
     if dp is not None:  # DDP: one synchronising pass; FSDP: every rank the same passes
         lockstep = dp.micro_batches(len(rows), cfg.optim.micro_batch_size)
         passes = dp.passes(forward, parts, lockstep)
-        layout = False if dp.sharded else layout  # FSDP scores padded
+        shape = layout(cfg, sharded=dp.sharded)  # FSDP scores padded
     single = old_logp is None
     own: list[tuple[Tensor, Tensor]] = []
     for part in passes:
@@ -288,8 +292,8 @@ def _accumulate(
                 batch.select(part),
                 with_entropy=single,
                 temperature=cfg.rollout.temperature,
-                packed=layout,
                 forward=forward,
+                **shape,
             )
         if single:
             assert entropy is not None

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import response_batch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from anchor_rl.algos.losses import value_loss
@@ -36,24 +37,7 @@ def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
 
 def make_batch(prompts: list[list[int]], responses: list[list[int]]) -> RolloutBatch:
     """Right-padded batch; every response token is a policy token."""
-    b, t = len(prompts), max(len(r) for r in responses)
-    ids = torch.full((b, t), PAD, dtype=torch.long)
-    mask = torch.zeros(b, t)
-    for i, r in enumerate(responses):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1.0
-    return RolloutBatch(
-        group=torch.arange(b),
-        prompt_ids=prompts,
-        response_ids=ids,
-        attention_mask=mask,
-        loss_mask=mask.clone(),
-        logprobs=torch.zeros(b, t),
-        texts=[""] * b,
-        tool_calls=torch.zeros(b, dtype=torch.long),
-        truncated=torch.zeros(b, dtype=torch.bool),
-        pad_id=PAD,
-    )
+    return response_batch(prompts, responses, PAD)
 
 
 def random_head(critic: Critic, seed: int = 1) -> Critic:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import response_batch, scores_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from anchor_rl.batch import RolloutBatch
@@ -30,24 +31,7 @@ RESPONSES = [TOK.encode("<answer>2</answer>"), TOK.encode("abc")]
 
 
 def make_batch() -> RolloutBatch:
-    b, t = len(RESPONSES), max(len(r) for r in RESPONSES)
-    ids = torch.full((b, t), TOK.pad_token_id)
-    mask = torch.zeros(b, t)
-    for i, r in enumerate(RESPONSES):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return RolloutBatch(
-        group=torch.arange(b),
-        prompt_ids=PROMPTS,
-        response_ids=ids,
-        attention_mask=mask,
-        loss_mask=mask.clone(),
-        logprobs=torch.zeros(b, t),
-        texts=["", ""],
-        tool_calls=torch.zeros(b, dtype=torch.long),
-        truncated=torch.zeros(b, dtype=torch.bool),
-        pad_id=TOK.pad_token_id,
-    )
+    return response_batch(PROMPTS, RESPONSES, TOK.pad_token_id)
 
 
 def reference(prompt: list[int], response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,18 +102,12 @@ def test_packed_and_padded_layouts_give_the_same_loss_and_gradients():
     batch.attention_mask[3] = 0
     batch.response_ids[3] = TOK.pad_token_id
     batch.prompt_ids = [*PROMPTS, PROMPTS[0][2:], PROMPTS[1]]
-    grads, values = [], []
-    for packed in (True, False):
-        logp, ent = token_logprobs(MODEL, batch, with_entropy=True, packed=packed)
-        (logp.sum() + 0.1 * ent.sum()).backward()
-        values.append((logp.detach(), ent.detach()))
-        grads.append([p.grad.clone() for p in MODEL.parameters()])
-        MODEL.zero_grad(set_to_none=True)
-    (a_logp, a_ent), (b_logp, b_ent) = values
+    a_logp, a_ent, a_grads = scores_and_gradients(MODEL, batch, packed=True, shared=False)
+    b_logp, b_ent, b_grads = scores_and_gradients(MODEL, batch, packed=False)
     torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
     assert (a_logp[3] == 0).all() and (a_ent[3] == 0).all()
-    for a, b in zip(*grads, strict=True):
+    for a, b in zip(a_grads, b_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

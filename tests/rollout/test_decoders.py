@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import llama_variants
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
-from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.decoders import HFDecoder, StaticDecoder, decoder_for, static_unsupported
@@ -22,34 +20,33 @@ from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
 
 TOK = build_tokenizer()
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=len(TOK))
-
-
-def _models() -> dict[str, torch.nn.Module]:
-    torch.manual_seed(0)
-    gqa = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **SMALL)
-    qwen = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **SMALL)  # q/k/v biases
-    return {
-        "tiny": build_model("tiny", TOK, seed=0),
-        "llama-gqa": LlamaForCausalLM(gqa),
-        "qwen2": Qwen2ForCausalLM(qwen),
-    }
-
-
-MODELS = _models()
+MODELS = llama_variants(TOK)
 CONTEXTS = [[5, 20, 21, 30, 31, 32, 7], [40, 41], [9, 9, 60, 61, 62], [70, 71, 72, 73]]
 
 
+REPEATED = [CONTEXTS[0], CONTEXTS[1], CONTEXTS[0], CONTEXTS[0]]  # two samples' prompts
+
+
+@pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(name) -> None:
+def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
+    name, contexts
+) -> None:
     model = MODELS[name].eval()
-    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    ids, mask = left_pad(contexts, TOK.pad_token_id)
     pos = position_ids(mask)
     fast, slow = StaticDecoder(model), HFDecoder(model)
     steps = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
     keep = [None, None, [0, 1, 3], [0, 2], [1]]  # rows finish: compaction below 3/4 live
+    embedded: list[int] = []  # rows the prefill runs through the layers
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: embedded.append(len(args[0]))
+    )
     with torch.no_grad():
-        a, b = fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8)
+        a = fast.prefill(ids, mask, pos, 8)
+        hook.remove()
+        b = slow.prefill(ids, mask, pos, 8)
+        assert embedded == [len({tuple(c) for c in contexts})]  # each context once
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         pos = pos[:, -1]
         for tokens, index in zip(steps, keep, strict=True):
@@ -110,7 +107,8 @@ def test_decoder_choice_falls_back_or_names_why() -> None:
         decoder_for(gpt2, "static")
     with pytest.raises(ValueError, match="decode must be one of"):
         HFEngine(MODELS["tiny"], TOK, decode="fast")
-    sliding = LlamaConfig(num_attention_heads=4, **SMALL)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=len(TOK))
+    sliding = LlamaConfig(num_attention_heads=4, **small)
     sliding.model_type = "mistral"
     sliding.sliding_window = 16
     assert "sliding-window" in static_unsupported(LlamaForCausalLM(sliding))

@@ -1,0 +1,183 @@
+"""Scoring with each prompt computed once for all the responses that share it.
+
+A GRPO step scores n responses per prompt, and the padded and packed layouts of
+:mod:`anchor_rl.models.scoring` run the prompt through the model once per response. Here
+the prompt goes through the layers once per distinct prompt, and every response attends to
+its prompt's keys and values, so the prompt's share of the linear layers (the bulk of the
+compute) is paid once instead of n times; in the backward pass autograd sums the
+responses' gradients into the shared prompt states. The idea is the shared-prefix forward
+of "Prefix Grouper" (Liu et al., 2025); the numbers are those of the plain layouts up to
+float rounding (pinned in the tests).
+
+Layout (:class:`SharedPrefixLayout`, built on the CPU):
+
+- prompts: the ``G`` distinct prompts, left-padded ``[G, P]``, position ids counting real
+  tokens; each attends causally to its own real tokens.
+- responses: the ``N`` real response tokens of all rows, flat ``[N]`` (row by row, as the
+  packed layout), so the linear layers see no padding; for attention they are scattered
+  into a ``[B, T]`` grid (``T`` the longest response) whose row ``i`` attends to its
+  prompt's keys ``[P]`` (real ones only) and causally to its own ``[T]``. Positions
+  continue the prompt's: ``len(prompt) + t``.
+- outputs: response token ``t`` of row ``i`` is predicted by the prompt's last state for
+  ``t = 0`` and by response state ``t - 1`` otherwise; only those ``N`` states go through
+  the output layer.
+
+Attention is PyTorch's ``scaled_dot_product_attention`` with a boolean mask; the layers are
+the model's own modules (:mod:`anchor_rl.models.llama`), so this needs a Llama-architecture
+model and no attention dropout while training (:func:`shared_prefix_unsupported`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import PreTrainedModel
+
+from anchor_rl.models.llama import finish, llama_unsupported, project
+from anchor_rl.models.padding import left_pad, position_ids
+
+if TYPE_CHECKING:
+    from anchor_rl.batch import RolloutBatch
+
+
+def shared_prefix_unsupported(model: PreTrainedModel) -> str | None:
+    """Why the shared-prefix layout cannot score ``model`` (``None`` when it can)."""
+    reason = llama_unsupported(model)
+    if reason is None and not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
+        reason = "the model has no lm_head"
+    if (
+        reason is None
+        and model.training
+        and any(getattr(layer.self_attn, "attention_dropout", 0.0) for layer in model.model.layers)
+    ):
+        reason = "its attention dropout is on (the layout has no attention dropout)"
+    return reason
+
+
+def has_shared_prompt(prompts: list[list[int]]) -> bool:
+    """Whether two of the rows have the same prompt (the layout saves compute only then)."""
+    return len({tuple(p) for p in prompts}) < len(prompts)
+
+
+@dataclass
+class SharedPrefixLayout:
+    """Index tensors of one batch in the shared-prefix layout (module docstring).
+
+    prompt_ids, prompt_mask, prompt_pos: ``[G, P]`` left-padded distinct prompts (long;
+    mask 1 on real tokens). prompt_of: ``[B]`` each row's prompt. tokens, token_pos:
+    ``[N]`` the real response tokens and their position ids. row_of, t_of: ``[N]`` each
+    token's row and column. grid: ``[N]`` each token's cell ``row * T + t`` in the ``[B, T]``
+    attention grid. predictor: ``[N]`` the state predicting each token in
+    ``cat(prompt_last[G], response_states[N])``. width: ``T``.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    prompt_pos: torch.Tensor
+    prompt_of: torch.Tensor
+    tokens: torch.Tensor
+    token_pos: torch.Tensor
+    row_of: torch.Tensor
+    t_of: torch.Tensor
+    grid: torch.Tensor
+    predictor: torch.Tensor
+    width: int
+
+    @staticmethod
+    def of(batch: RolloutBatch) -> SharedPrefixLayout:
+        """The layout of ``batch`` (its responses' real tokens: ``attention_mask`` 1, a
+        prefix of each row)."""
+        index: dict[tuple[int, ...], int] = {}
+        prompt_of = torch.as_tensor(
+            [index.setdefault(tuple(p), len(index)) for p in batch.prompt_ids], dtype=torch.long
+        )
+        prompt_ids, prompt_mask = left_pad([list(p) for p in index], batch.pad_id)
+        lengths = batch.attention_mask.sum(-1).long()
+        row_of = torch.repeat_interleave(torch.arange(len(batch)), lengths)
+        t_of = torch.cat([torch.arange(n) for n in lengths.tolist()]) if len(batch) else row_of
+        width = int(lengths.max()) if len(batch) else 0
+        prompt_len = prompt_mask.sum(-1)
+        # the first token of a row is predicted by its prompt's last state (index g), token
+        # t > 0 by the response state just before it (index G + its flat index - 1)
+        flat = torch.arange(len(row_of))
+        predictor = torch.where(t_of == 0, prompt_of[row_of], len(index) + flat - 1)
+        return SharedPrefixLayout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            prompt_pos=position_ids(prompt_mask),
+            prompt_of=prompt_of,
+            tokens=batch.response_ids[row_of, t_of],
+            token_pos=prompt_len[prompt_of[row_of]] + t_of,
+            row_of=row_of,
+            t_of=t_of,
+            grid=row_of * width + t_of,
+            predictor=predictor,
+            width=width,
+        )
+
+    def to(self, device: torch.device | str) -> SharedPrefixLayout:
+        """The same layout with every tensor on ``device``."""
+        moved = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(self).items()
+        }
+        return SharedPrefixLayout(**moved)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``q[R, heads, Q, D]`` over ``k``, ``v`` ``[R, kv_heads, K, D]`` where
+    ``allowed[R, 1, Q, K]``; the heads' outputs ``[R, Q, heads * D]``."""
+    out = scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2).flatten(2)
+
+
+def shared_prefix_logits(model: PreTrainedModel, layout: SharedPrefixLayout) -> torch.Tensor:
+    """Logits ``[N, V]`` of the ``N`` response tokens of ``layout`` (on the model's device),
+    in its flat token order; gradients flow when grad is enabled."""
+    inner, device = model.model, layout.tokens.device
+    p = layout.prompt_ids.shape[1]
+    b, t = len(layout.prompt_of), layout.width
+    if t == 0:  # no response tokens: nothing to predict
+        return model.lm_head(inner.norm(inner.embed_tokens(layout.tokens)))
+    # the prompts' mask: causal over real keys; a padding query sees itself (no empty row)
+    real = layout.prompt_mask.bool()
+    causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    itself = torch.eye(p, dtype=torch.bool, device=device)
+    prompt_allowed = ((causal[None] & real[:, None, :]) | itself)[:, None]  # [G, 1, P, P]
+    # the responses' mask: their prompt's real keys, then causal over their own cells
+    own = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    response_allowed = torch.cat([real[layout.prompt_of][:, None, :].expand(b, t, p), own], -1)
+    response_allowed = response_allowed[:, None]  # [B, 1, T, P + T]
+
+    prompts = inner.embed_tokens(layout.prompt_ids)  # [G, P, H]
+    tokens = inner.embed_tokens(layout.tokens)  # [N, H]
+    cos_p, sin_p = inner.rotary_emb(prompts, layout.prompt_pos)  # [G, P, D]
+    cos_r, sin_r = inner.rotary_emb(tokens[None], layout.token_pos[None])  # [1, N, D]
+    cos_p, sin_p = cos_p[:, :, None], sin_p[:, :, None]  # [G, P, 1, D]: every head
+    cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
+    scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
+
+    def grid(x: torch.Tensor) -> torch.Tensor:
+        """``x[N, heads, D]`` scattered into the attention grid ``[B, heads, T, D]``."""
+        cells = x.new_zeros(b * t, *x.shape[1:]).index_copy(0, layout.grid, x)
+        return cells.view(b, t, *x.shape[1:]).transpose(1, 2)
+
+    for layer in inner.layers:
+        qp, kp, vp = (x.transpose(1, 2) for x in project(layer, prompts, cos_p, sin_p))
+        qr, kr, vr = project(layer, tokens, cos_r, sin_r)  # [N, heads | kv_heads, D]
+        keys = torch.cat([kp[layout.prompt_of], grid(kr)], dim=2)  # [B, kv_heads, P + T, D]
+        values = torch.cat([vp[layout.prompt_of], grid(vr)], dim=2)
+        prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
+        response_out = _attend(grid(qr), keys, values, response_allowed, scale)  # [B, T, .]
+        response_out = response_out.reshape(b * t, -1).index_select(0, layout.grid)
+        prompts = finish(layer, prompts, prompt_out)
+        tokens = finish(layer, tokens, response_out)
+    states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
+    return model.lm_head(inner.norm(states))

@@ -1,0 +1,106 @@
+"""The shared-prefix scoring layout: its index tensors on a hand example, and its log-probs,
+entropies and gradients against the padded layout (ragged prompts, groups of different
+sizes, an empty response, grouped-query attention, attention biases); when it is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import llama_variants, response_batch, scores_and_gradients
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from anchor_rl.models import scoring
+from anchor_rl.models.scoring import token_logprobs
+from anchor_rl.models.shared_prefix import (
+    SharedPrefixLayout,
+    has_shared_prompt,
+    shared_prefix_unsupported,
+)
+from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.trainer.config import ConfigError, load_config
+
+TOK = build_tokenizer()
+PAD = TOK.pad_token_id
+MODELS = llama_variants(TOK)
+
+
+def make_batch(prompts: list[list[int]], responses: list[list[int]]):
+    return response_batch(prompts, responses, PAD)
+
+
+def test_layout_of_a_hand_example():
+    """Two rows share prompt [5, 6, 7]; one row has prompt [8] and an empty response."""
+    batch = make_batch([[5, 6, 7], [8], [5, 6, 7]], [[10, 11], [], [12, 13, 14]])
+    layout = SharedPrefixLayout.of(batch)
+    assert layout.prompt_ids.tolist() == [[5, 6, 7], [PAD, PAD, 8]]
+    assert layout.prompt_pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert layout.prompt_of.tolist() == [0, 1, 0]
+    assert layout.tokens.tolist() == [10, 11, 12, 13, 14]
+    assert layout.row_of.tolist() == [0, 0, 2, 2, 2] and layout.t_of.tolist() == [0, 1, 0, 1, 2]
+    assert layout.token_pos.tolist() == [3, 4, 3, 4, 5]  # positions continue the prompt's
+    assert layout.width == 3 and layout.grid.tolist() == [0, 1, 6, 7, 8]
+    # token 0 of a row <- its prompt's last state (0); token t <- the state before it (2 + flat - 1)
+    assert layout.predictor.tolist() == [0, 2, 0, 4, 5]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradients(name):
+    model = MODELS[name].train()
+    p1, p2, p3 = [5, 20, 21, 30, 31], [40, 41], [9, 60, 61]
+    prompts = [p1, p2, p1, p3, p1, p2, p1]  # groups of 4, 2 and 1
+    responses = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21], [], [22, 23, 24], [25]]
+    batch = make_batch(prompts, responses)
+    a_logp, a_ent, a_grads = scores_and_gradients(model, batch, shared=True)
+    b_logp, b_ent, b_grads = scores_and_gradients(model, batch, packed=False)
+    torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
+    assert (a_logp[4] == 0).all() and (a_logp[1, 1:] == 0).all()  # no tokens, no log-probs
+    for a, b in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_of_empty_responses_scores_to_zeros():
+    batch = make_batch([[5, 6], [5, 6]], [[], []])
+    logp, ent = token_logprobs(MODELS["tiny"], batch, with_entropy=True, shared=True)
+    assert logp.shape == (2, 0) and ent.shape == (2, 0)
+
+
+def test_auto_shares_only_where_a_prompt_repeats(monkeypatch):
+    calls = []
+    real = scoring._shared_logits
+    monkeypatch.setattr(scoring, "_shared_logits", lambda *a: calls.append(len(a[2])) or real(*a))
+    model = MODELS["tiny"].eval()
+    repeated = make_batch([[5, 6], [7], [5, 6], [7]], [[10], [11], [12], [13]])
+    distinct = make_batch([[5, 6], [7]], [[10], [11]])
+    with torch.no_grad():
+        token_logprobs(model, distinct)
+        assert calls == []
+        token_logprobs(model, repeated, micro_batch=2)  # each pass of 2 rows: distinct prompts
+        assert calls == []
+        token_logprobs(model, repeated)
+        assert calls == [4]
+        token_logprobs(model, repeated, shared=False)
+        assert calls == [4]
+    assert has_shared_prompt([[1, 2], [1, 2]]) and not has_shared_prompt([[1, 2], [1]])
+
+
+def test_models_the_layout_cannot_run_are_named_or_fall_back():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(TOK)))
+    batch = make_batch([[5, 6], [5, 6]], [[10], [11]])
+    assert "model_type 'gpt2'" in shared_prefix_unsupported(gpt2)
+    with pytest.raises(ValueError, match="shared-prefix scoring cannot run GPT2LMHeadModel"):
+        token_logprobs(gpt2, batch, shared=True)
+    logp, _ = token_logprobs(gpt2, batch)  # auto: the padded layout
+    assert logp.shape == (2, 1) and (logp < 0).all()
+    with pytest.raises(ValueError, match="cannot run with packed=False"):
+        token_logprobs(MODELS["tiny"], batch, shared=True, packed=False)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=len(TOK))
+    dropout = LlamaForCausalLM(LlamaConfig(attention_dropout=0.1, **small)).train()
+    assert "attention dropout" in shared_prefix_unsupported(dropout)
+    assert shared_prefix_unsupported(dropout.eval()) is None  # no dropout in eval mode
+
+
+def test_config_refuses_shared_prefix_without_padding_free():
+    with pytest.raises(ConfigError, match="shared-prefix forward is padding-free"):
+        load_config("grpo", ["optim.shared_prefix=on", "optim.padding_free=off"])
+    assert load_config("grpo", []).optim.shared_prefix == "auto"
