@@ -52,6 +52,12 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from anchor_rl.models.scoring import pack_prompt_response
+from anchor_rl.models.shared_prefix import (
+    SharedPrefixLayout,
+    has_shared_prompt,
+    shared_prefix_states,
+    shared_prefix_unsupported,
+)
 
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
@@ -95,6 +101,10 @@ class Critic(nn.Module):
             # A plain attribute, not a submodule: the policy owns these weights.
             object.__setattr__(self, "backbone", backbone)
         device = next(backbone.parameters()).device
+        # run each distinct prompt once for the responses that share it, where the backbone
+        # allows (optim.shared_prefix); off for an FSDP-sharded replica, whose layers must be
+        # called whole
+        self.shared_prefix = True
         self.head = nn.Linear(backbone.config.hidden_size, 1, device=device, dtype=torch.float32)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -168,18 +178,37 @@ class Critic(nn.Module):
         return self.values(batch)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        grad = torch.is_grad_enabled() and self.mode == "separate"
+        if self._shares_prefix(batch):
+            # the states that predict response token t end s_t (anchor_rl.models.shared_prefix)
+            layout = SharedPrefixLayout.of(batch).to(self.device)
+            with torch.set_grad_enabled(grad):
+                states = shared_prefix_states(self.backbone, layout)  # [N, H]
+            flat = self.head(states.to(self.head.weight.dtype)).squeeze(-1)  # [N]
+            zeros = torch.zeros(batch.response_ids.shape, device=self.device, dtype=flat.dtype)
+            return zeros.index_put((layout.row_of, layout.t_of), flat)
         # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count real
         # tokens, so the hidden state at column c sees exactly the real tokens at columns <= c.
         ids, mask, positions = pack_prompt_response(batch, self.device)
         response_mask = batch.attention_mask.to(self.device)
         t = batch.response_ids.shape[1]
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.mode == "separate"):
+        with torch.set_grad_enabled(grad):
             hidden = self.backbone(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
             ).last_hidden_state
         # Column P + t - 1 (P = padded prompt width) ends s_t: the last T + 1 columns but one.
         state = hidden[:, -(t + 1) : -1, :].to(self.head.weight.dtype)
         return self.head(state).squeeze(-1) * response_mask.to(self.head.weight.dtype)
+
+    def _shares_prefix(self, batch: RolloutBatch) -> bool:
+        """Whether :meth:`values` runs ``batch`` with shared prefixes: switched on
+        (:attr:`shared_prefix`), a prompt repeats, and the backbone's layers are plain
+        Llama layers (else the padded layout)."""
+        return (
+            self.shared_prefix
+            and has_shared_prompt(batch.prompt_ids)
+            and shared_prefix_unsupported(self.backbone, head=False) is None
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the critic to directory ``path``.

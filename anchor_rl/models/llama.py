@@ -18,18 +18,25 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2")
 """``model_type`` values whose decoder layers are plain Llama layers."""
 
 
+def body(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack of ``model``: ``model.model`` of a causal LM, or the model itself
+    when it is the body (a critic's backbone)."""
+    return getattr(model, "model", model)
+
+
 def llama_unsupported(model: PreTrainedModel) -> str | None:
     """Why ``model``'s layers cannot be run by these helpers (``None`` when they can): a
-    Llama-architecture model (Llama, Mistral and Qwen2 without a sliding window) with
-    plain attention (q/k/v/o projections, no q/k norms, sinks or tensor-parallel split)."""
+    Llama-architecture causal LM or body (Llama, Mistral and Qwen2 without a sliding
+    window) with plain attention (q/k/v/o projections, no q/k norms, sinks or
+    tensor-parallel split)."""
     config = model.config
     kind = getattr(config, "model_type", None)
     if kind not in LLAMA_LIKE:
         return f"model_type {kind!r} is not one of {', '.join(LLAMA_LIKE)}"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "the model uses sliding-window attention"
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not hasattr(model.model, "rotary_emb"):
+    layers = getattr(body(model), "layers", None)
+    if layers is None or not hasattr(body(model), "rotary_emb"):
         return "the model has no model.layers / model.rotary_emb"
     attn = layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):

@@ -33,26 +33,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
-from anchor_rl.models.llama import finish, llama_unsupported, project
+from anchor_rl.models.llama import body, finish, llama_unsupported, project
 from anchor_rl.models.padding import left_pad, position_ids
 
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
 
 
-def shared_prefix_unsupported(model: PreTrainedModel) -> str | None:
-    """Why the shared-prefix layout cannot score ``model`` (``None`` when it can)."""
+def shared_prefix_unsupported(model: PreTrainedModel, head: bool = True) -> str | None:
+    """Why the shared-prefix layout cannot run ``model`` (``None`` when it can): a causal LM
+    (``head``: it needs its ``lm_head``) or a body such as a critic's backbone."""
     reason = llama_unsupported(model)
-    if reason is None and not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
+    if reason is None and head and not isinstance(getattr(model, "lm_head", None), nn.Module):
         reason = "the model has no lm_head"
-    if (
-        reason is None
-        and model.training
-        and any(getattr(layer.self_attn, "attention_dropout", 0.0) for layer in model.model.layers)
-    ):
+    dropout = reason is None and model.training
+    if dropout and any(getattr(x.self_attn, "attention_dropout", 0.0) for x in body(model).layers):
         reason = "its attention dropout is on (the layout has no attention dropout)"
     return reason
 
@@ -141,11 +140,19 @@ def _attend(
 def shared_prefix_logits(model: PreTrainedModel, layout: SharedPrefixLayout) -> torch.Tensor:
     """Logits ``[N, V]`` of the ``N`` response tokens of ``layout`` (on the model's device),
     in its flat token order; gradients flow when grad is enabled."""
-    inner, device = model.model, layout.tokens.device
+    return model.lm_head(shared_prefix_states(model.model, layout))
+
+
+def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.Tensor:
+    """The final (normed) hidden states ``[N, H]`` of the decoder stack ``inner`` that
+    predict the ``N`` response tokens of ``layout``: state ``i`` has seen the prompt and the
+    response tokens before token ``i``, as the last hidden state of the model's own forward
+    at that position. Flat token order; gradients flow when grad is enabled."""
+    device = layout.tokens.device
     p = layout.prompt_ids.shape[1]
     b, t = len(layout.prompt_of), layout.width
     if t == 0:  # no response tokens: nothing to predict
-        return model.lm_head(inner.norm(inner.embed_tokens(layout.tokens)))
+        return inner.norm(inner.embed_tokens(layout.tokens))
     # the prompts' mask: causal over real keys; a padding query sees itself (no empty row)
     real = layout.prompt_mask.bool()
     causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
@@ -180,4 +187,4 @@ def shared_prefix_logits(model: PreTrainedModel, layout: SharedPrefixLayout) -> 
         prompts = finish(layer, prompts, prompt_out)
         tokens = finish(layer, tokens, response_out)
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
-    return model.lm_head(inner.norm(states))
+    return inner.norm(states)

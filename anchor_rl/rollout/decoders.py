@@ -90,6 +90,8 @@ class HFDecoder:
 
 def static_unsupported(model: PreTrainedModel) -> str | None:
     """Why :class:`StaticDecoder` cannot run ``model`` (``None`` when it can)."""
+    if not hasattr(model, "lm_head"):
+        return "the model has no lm_head"
     return llama_unsupported(model)
 
 

@@ -258,9 +258,10 @@ class OptimConfig(_Section):
     shared_prefix: Literal["auto", "on", "off"] = "auto"
     """Score each distinct prompt once for all the responses that share it (a GRPO group's
     n responses pay for their prompt once, in the forward and the backward pass), the
-    responses attending to its keys and values. `auto`: in every padding-free pass where a
-    prompt repeats and the model's layers are plain Llama layers; `on`: in every pass
-    (fails for other models); `off`: never. Agrees with the other layouts within float
+    responses attending to its keys and values; the policy, the reference and the critic
+    (PPO, VAPO). `auto`: in every padding-free pass where a prompt repeats and the model's
+    layers are plain Llama layers; `on`: in every policy pass (fails for other models; the
+    critic treats it as `auto`); `off`: never. Agrees with the other layouts within float
     rounding (1e-5 on log-probs); needs `padding_free` auto or on."""
     autocast: Literal["off", "bf16"] = "off"
     """`bf16`: the policy's and the reference's forward passes (re-scoring, reference

@@ -57,6 +57,7 @@ from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler
+from anchor_rl.trainer.update import layout
 
 
 class ValueLearners(Protocol):
@@ -89,7 +90,15 @@ sampling seeds)."""
 def new_critic(cfg: TrainConfig, policy: PreTrainedModel) -> Critic:
     """A fresh critic (zero head) on the body of ``policy``: a copy (``separate``) or the
     live backbone (``shared``). Built before any update, so the body is the initial policy's."""
-    return Critic.from_causal_lm(policy, cfg.critic.mode)
+    return configured(Critic.from_causal_lm(policy, cfg.critic.mode), cfg)
+
+
+def configured(critic: Critic, cfg: TrainConfig) -> Critic:
+    """``critic`` with the run's scoring layout: shared prefixes unless
+    ``optim.shared_prefix`` or ``optim.padding_free`` is off (``on`` acts as ``auto``: the
+    critic shares where a prompt repeats and its layers allow)."""
+    critic.shared_prefix = layout(cfg)["shared"] is not False
+    return critic
 
 
 def critic_optimizer(cfg: TrainConfig, critic: Critic) -> torch.optim.Optimizer:
@@ -329,6 +338,7 @@ class PPOCritic(Component):
                 self.critic, history = pretrain_critic(cfg, setup.policy, setup.engine, setup.task)
             (Path(setup.run_dir) / PRETRAIN_FILE).write_text(json.dumps(history, indent=2) + "\n")
             self.value_pretrain_rollouts = history["rollouts"]
+            configured(self.critic, cfg)  # a critic from the cache has the defaults
         if cfg.disable_dropout:
             disable_dropout(self.critic)
         self.optimizer = critic_optimizer(cfg, self.critic)

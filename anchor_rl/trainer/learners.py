@@ -316,6 +316,7 @@ def _sharded_critic(
     Collective."""
     from anchor_rl.trainer.critic import critic_optimizer
 
+    critic.shared_prefix = False  # the shared-prefix forward calls parts of FSDP's units
     shard_model(critic, cfg.cluster.learners)
     optimizer = critic_optimizer(cfg, critic)
     _load_full_optimizer_state(critic, optimizer, state["critic"]["optimizer"])

@@ -103,6 +103,34 @@ def test_micro_batch_gives_the_same_values(policy):
     )
 
 
+@pytest.mark.parametrize("mode", ["separate", "shared"])
+def test_shared_prefix_values_and_gradients_equal_the_padded_ones(policy, mode):
+    """Groups that share a prompt (and an empty response): the shared-prefix forward gives
+    the padded layout's values and gradients within float rounding; distinct prompts keep
+    the padded layout."""
+    critic = random_head(Critic.from_causal_lm(policy, mode))
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0], PROMPTS[2]]
+    responses = [RESPONSES[0], RESPONSES[2], RESPONSES[1], [], [30]]
+    batch = make_batch(prompts, responses)
+    assert critic._shares_prefix(batch) and not critic._shares_prefix(
+        make_batch(PROMPTS, RESPONSES)
+    )
+    results = []
+    for shared in (True, False):
+        critic.shared_prefix = shared
+        values = critic.values(batch)
+        (values**2).sum().backward()
+        results.append((values.detach(), [p.grad.clone() for p in critic.parameters()]))
+        critic.zero_grad(set_to_none=True)
+    (a, a_grads), (b, b_grads) = results
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert torch.all(a[batch.attention_mask == 0] == 0)
+    # the squared loss on a random head sums ~0.2-sized gradients over many positions, so
+    # rounding reaches ~3e-5 on single entries (a wrong mask moves the values by > 1e-2)
+    for x, y in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
+
+
 def test_separate_mode_owns_a_copy():
     policy = tiny_policy()
     critic = Critic.from_causal_lm(policy)
