@@ -1,7 +1,7 @@
 """Seconds per step of a preset with shared-prefix scoring off and on, alternating.
 
     OMP_NUM_THREADS=1 python scripts/time_shared_prefix.py vapo sft:tiny random:small \
-        --out docs/results/shared-prefix-critic/timings.json
+        --out docs/results/shared-prefix/vapo_timings.json
 
 Each (model, setting) trains ``--steps`` steps of 8 prompts x 8 responses (<= 80 new
 tokens, no value pretraining, no evaluation) in a fresh run directory under a temporary
