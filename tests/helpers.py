@@ -114,3 +114,14 @@ def scores_and_gradients(model, batch, **layout):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return logp.detach(), entropy.detach(), grads
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module, imported by path (scripts/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

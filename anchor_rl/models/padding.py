@@ -1,4 +1,5 @@
-"""Left padding of token lists and the position ids that go with it."""
+"""Row bookkeeping of token batches: left padding and its position ids, the cells of
+right-padded rows' real tokens, and rows that repeat one another."""
 
 from __future__ import annotations
 
@@ -20,3 +21,27 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """Position ids ``[B, L]`` for a padding mask: each row counts its real tokens from 0."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def token_cells(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_of[N], t_of[N])``: the row and column of every real token of right-padded
+    rows of these ``lengths``, row by row (``N = sum(lengths)``; CPU long tensors)."""
+    row_of = torch.repeat_interleave(
+        torch.arange(len(lengths)), torch.as_tensor(lengths, dtype=torch.long)
+    )
+    t_of = torch.cat([torch.arange(n) for n in lengths]) if lengths else row_of
+    return row_of, t_of
+
+
+def distinct_rows(keys: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """``(first, copy_of)`` for rows with these ``keys``: the first row of each distinct key,
+    in order of appearance, and for every row the index of its key in ``first``."""
+    index: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    copy_of = []
+    for row, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(first)
+            first.append(row)
+        copy_of.append(index[key])
+    return first, copy_of

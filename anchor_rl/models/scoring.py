@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from anchor_rl.models.padding import left_pad, position_ids
+from anchor_rl.models.padding import left_pad, position_ids, token_cells
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
     has_shared_prompt,
@@ -165,8 +165,7 @@ def _packed_logits(device: torch.device, forward: torch.nn.Module, batch: Rollou
         ids[b, o : o + len(row)] = torch.as_tensor(row, dtype=torch.long)
         pos[b, o : o + len(row)] = torch.arange(len(row))
     # response token t of row i is predicted by the state at column o_i + len(prompt_i) - 1 + t
-    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.as_tensor(response_len))
-    t_of = torch.cat([torch.arange(n) for n in response_len]) if rows else row_of
+    row_of, t_of = token_cells(response_len)
     starts = torch.as_tensor(
         [o + len(p) - 1 for o, p in zip(offset, batch.prompt_ids, strict=True)]
     )
@@ -255,15 +254,16 @@ def token_logprobs(
         if step >= b
         else [batch.select(range(i, min(i + step, b))) for i in range(0, b, step)]
     )
-    if shared and (reason := shared_prefix_unsupported(model)):
-        raise ValueError(f"shared-prefix scoring cannot run {type(model).__name__}: {reason}")
+    unshareable = None if shared is False else shared_prefix_unsupported(model)
+    if shared and unshareable:
+        raise ValueError(f"shared-prefix scoring cannot run {type(model).__name__}: {unshareable}")
     if packed is None:
         packed = packing_supported(model)
     elif packed and not packing_supported(model):
         raise ValueError(
             f"packed scoring needs a Llama-architecture model, not {type(model).__name__}"
         )
-    can_share = packed and shared is not False and shared_prefix_unsupported(model) is None
+    can_share = packed and shared is not False and unshareable is None
     forward = ScoringForward(model) if forward is None else forward
     parts = []
     for chunk in chunks:

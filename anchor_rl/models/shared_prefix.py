@@ -38,7 +38,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import body, finish, llama_unsupported, project
-from anchor_rl.models.padding import left_pad, position_ids
+from anchor_rl.models.padding import distinct_rows, left_pad, position_ids, token_cells
 
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
@@ -89,20 +89,17 @@ class SharedPrefixLayout:
     def of(batch: RolloutBatch) -> SharedPrefixLayout:
         """The layout of ``batch`` (its responses' real tokens: ``attention_mask`` 1, a
         prefix of each row)."""
-        index: dict[tuple[int, ...], int] = {}
-        prompt_of = torch.as_tensor(
-            [index.setdefault(tuple(p), len(index)) for p in batch.prompt_ids], dtype=torch.long
-        )
-        prompt_ids, prompt_mask = left_pad([list(p) for p in index], batch.pad_id)
-        lengths = batch.attention_mask.sum(-1).long()
-        row_of = torch.repeat_interleave(torch.arange(len(batch)), lengths)
-        t_of = torch.cat([torch.arange(n) for n in lengths.tolist()]) if len(batch) else row_of
-        width = int(lengths.max()) if len(batch) else 0
+        first, copy_of = distinct_rows([tuple(p) for p in batch.prompt_ids])
+        prompt_of = torch.as_tensor(copy_of, dtype=torch.long)
+        prompt_ids, prompt_mask = left_pad([list(batch.prompt_ids[i]) for i in first], batch.pad_id)
+        lengths = batch.attention_mask.sum(-1).long().tolist()
+        row_of, t_of = token_cells(lengths)
+        width = max(lengths, default=0)
         prompt_len = prompt_mask.sum(-1)
         # the first token of a row is predicted by its prompt's last state (index g), token
         # t > 0 by the response state just before it (index G + its flat index - 1)
         flat = torch.arange(len(row_of))
-        predictor = torch.where(t_of == 0, prompt_of[row_of], len(index) + flat - 1)
+        predictor = torch.where(t_of == 0, prompt_of[row_of], len(first) + flat - 1)
         return SharedPrefixLayout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,

@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import finish, llama_unsupported, project
+from anchor_rl.models.padding import distinct_rows
 
 DecodeMode = Literal["auto", "static", "hf"]
 DECODE_MODES: tuple[str, ...] = ("auto", "static", "hf")
@@ -152,14 +153,7 @@ class StaticDecoder:
         device = ids.device
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
-        first: dict[tuple[int, ...], int] = {}
-        distinct: list[int] = []  # a row of each context
-        copy_of = []  # each row's context
-        for row, key in enumerate(map(tuple, torch.cat([ids, mask], 1).tolist())):
-            if key not in first:
-                first[key] = len(distinct)
-                distinct.append(row)
-            copy_of.append(first[key])
+        distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
         shared = len(distinct) < b
         self.keys, self.values = self._buffers(len(distinct), length if shared else width, device)
         self.keep = torch.zeros((len(distinct), width), dtype=torch.bool, device=device)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_script
 from typer.testing import CliRunner
 
 from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
@@ -22,16 +21,6 @@ from anchor_rl.bench.summary import (
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
 from anchor_rl.trainer.logging import read_evals, read_metrics
-
-
-def _compact_module():
-    """scripts/compact_results.py, imported by path (scripts/ is not a package)."""
-    path = Path(__file__).parents[2] / "scripts" / "compact_results.py"
-    spec = importlib.util.spec_from_file_location("compact_results", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 MICRO = """
 description = "two presets, one seed"
@@ -189,7 +178,7 @@ def test_micro_suite_end_to_end(micro, tmp_path) -> None:
     run_suite(suite, BenchArgs(out, echo=lambda _: None))
     assert metrics.stat().st_mtime_ns == before
     # the compact copy (scripts/compact_results.py) keeps what the paired table reads
-    compact = _compact_module()
+    compact = load_script("compact_results")
     dest = tmp_path / "compact"
     compact.main(out, dest)
     run, copy = out / "grpo+short" / "seed0", dest / "grpo+short" / "seed0"

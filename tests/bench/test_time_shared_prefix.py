@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-
-def _script():
-    path = Path(__file__).parents[2] / "scripts" / "time_shared_prefix.py"
-    spec = importlib.util.spec_from_file_location("time_shared_prefix", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 @pytest.mark.parametrize("mode", ["off", "auto"])
 def test_a_timed_run_leaves_out_its_warm_up_step(tmp_path, mode):
-    row = _script().time_run("grpo", "random:tiny", mode, 2, tmp_path)
+    row = load_script("time_shared_prefix").time_run("grpo", "random:tiny", mode, 2, tmp_path)
     assert row["preset"] == "grpo" and row["shared_prefix"] == mode and row["steps"] == 1
     assert row["update_s"] > 0 and row["generate_s"] > 0 and row["tokens_per_step"] > 64
