@@ -17,8 +17,8 @@ import time
 import torch
 
 from anchor_rl.models.scoring import token_logprobs
-from anchor_rl.models.spec import load_spec
 from anchor_rl.rollout.engine import make_engine
+from anchor_rl.rollout.spec import load_spec
 from anchor_rl.tasks import get_task
 from anchor_rl.trainer.collect import rollout_call
 from anchor_rl.trainer.config import build_config

@@ -128,8 +128,8 @@ def _setup(
     from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.commands import parse_task_kwargs
     from anchor_rl.models.sft import cache_root
-    from anchor_rl.models.spec import frozen, load_spec
     from anchor_rl.rollout.engine import make_engine
+    from anchor_rl.rollout.spec import frozen, load_spec
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
     from anchor_rl.trainer.config import load_config
@@ -406,7 +406,7 @@ def _teacher(
     spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
 ) -> Teacher:
     from anchor_rl.anchors.teachers import make_teacher
-    from anchor_rl.models.spec import frozen, load_spec
+    from anchor_rl.rollout.spec import frozen, load_spec
 
     def load_model(target: str):
         model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)

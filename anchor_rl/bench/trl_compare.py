@@ -493,7 +493,7 @@ def _initial_policy(cfg: TrainConfig, run_dir: Path) -> tuple[Any, Any]:
     """The run's initial policy, loaded from a directory (TRL builds its reference model
     from the policy's ``name_or_path``); a ``random:`` spec is saved to ``run_dir/initial``."""
     from anchor_rl.models.loading import load_policy, quiet_transformers, save_policy
-    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout.spec import load_spec
 
     policy, tokenizer = load_spec(
         cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
@@ -589,8 +589,8 @@ class _StepClock:
 def _evaluate_seed(spec: RunSpec, out: Path, results: dict[str, list[dict[str, Any]]]) -> None:
     """Held-out metrics of the initial and both final models (same function, same prompts)."""
     from anchor_rl.models.loading import load_policy, quiet_transformers
-    from anchor_rl.models.spec import load_spec
     from anchor_rl.rollout.engine import make_engine
+    from anchor_rl.rollout.spec import load_spec
     from anchor_rl.trainer.run import evaluate_model, load_task
 
     cfg = spec.config

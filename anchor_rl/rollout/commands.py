@@ -126,8 +126,8 @@ def _engine(
     ``model`` is one): ``http:URL`` samples through the ``http`` engine, anything else loads
     with ``load_spec`` and samples in this process."""
     from anchor_rl.errors import AnchorRLError
-    from anchor_rl.models.spec import load_spec
     from anchor_rl.rollout.engine import make_engine
+    from anchor_rl.rollout.spec import load_spec
 
     if model.startswith("http:"):
         from anchor_rl.rollout.http import connect, load_tokenizer

@@ -49,7 +49,7 @@ def serve_command(
 
     from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.commands import default_threads, parse_task_kwargs
-    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout.spec import load_spec
     from anchor_rl.serve.app import ModelServer, build_app
 
     torch.set_num_threads(default_threads())

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from anchor_rl.models.loading import disable_dropout
-from anchor_rl.models.spec import load_reference
+from anchor_rl.rollout.spec import load_reference
 from anchor_rl.trainer.registry import COMPONENTS, register_component
 
 __all__ = ["COMPONENTS", "Component", "Setup", "Step", "register_component"]

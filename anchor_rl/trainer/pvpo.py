@@ -58,8 +58,8 @@ from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, 
 from anchor_rl.anchors.teachers import Teacher, make_teacher, teacher_batch, teacher_key
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
-from anchor_rl.models.spec import frozen, load_spec
 from anchor_rl.rollout.engine import make_engine
+from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import Scored, sampling_params, score

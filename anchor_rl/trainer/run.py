@@ -28,9 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.algos.registry import get_estimator
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
-from anchor_rl.models.spec import load_spec
 from anchor_rl.rollout.engine import Engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
+from anchor_rl.rollout.spec import load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks import TASKS, get_task
 from anchor_rl.tasks.base import Task

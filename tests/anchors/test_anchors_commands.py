@@ -87,7 +87,7 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path):
 
 
 def test_presample_defaults_are_the_presets_so_training_finds_the_anchors(tmp_path):
-    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout.spec import load_spec
     from anchor_rl.trainer.config import load_config
     from anchor_rl.trainer.pvpo import reference_key
     from anchor_rl.trainer.run import load_task

@@ -166,7 +166,7 @@ def test_the_teacher_role_trains_on_every_record_for_longer():
 
 
 def test_a_teacher_spec_loads_the_cached_teacher_sft(copy_task, monkeypatch):
-    from anchor_rl.models.spec import load_spec
+    from anchor_rl.rollout.spec import load_spec
 
     monkeypatch.setitem(
         sft.TASK_DEFAULTS, "copy", {"steps": 1, "batch_size": 2, "data_kwargs": {"x": 1}}
@@ -234,9 +234,46 @@ def test_class_stop_settings_parse_validate_and_key_the_config():
     old = {k: v for k, v in asdict(plain).items() if k != "class_stop"}
     blob = json.dumps({"version": sft.SFT_VERSION, **old}, sort_keys=True, default=str)
     assert plain.key() == __import__("hashlib").sha256(blob.encode()).hexdigest()[:16]
-    # the teacher trains its fixed steps; False turns a task's default stop off
+    # arithmetic's reference stops by its classes (steps is the budget); the teacher trains
+    # its fixed steps; False turns a task's default stop off
+    reference = sft.default_config("arithmetic")
+    assert (reference.class_stop, reference.steps) == (sft.ClassStop(start=1000), 5000)
     assert sft.default_config("arithmetic", "tiny", "teacher").class_stop is None
     assert sft.default_config("arithmetic", class_stop=False).class_stop is None
+    assert sft.default_config("multihop").class_stop is None
+
+
+def test_an_sft_spec_whose_default_stops_by_classes_samples_through_the_validator(
+    monkeypatch, tmp_path
+):
+    from anchor_rl.rollout import evaluate
+    from anchor_rl.rollout.spec import load_spec, sft_model_dir
+
+    copy_task = AnswerCopyTask()
+    monkeypatch.setattr(anchor_rl.tasks, "get_task", lambda name, **kw: copy_task, raising=False)
+    monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path / "cache"))
+    stop = {"val_prompts": 4, "every": 1, "k": 2, "coarse": 1}
+    monkeypatch.setitem(
+        sft.TASK_DEFAULTS, "copy", {"steps": 3, "batch_size": 2, "class_stop": stop}
+    )
+    calls = []
+    real = evaluate.class_shares
+
+    def counted(model, tokenizer, task, records, k):
+        calls.append((len(records), k))
+        return real(model, tokenizer, task, records, k)
+
+    monkeypatch.setattr(evaluate, "class_shares", counted)
+    load_spec("sft:tiny", "copy", {}, seed=0, device="cpu", progress=False)
+    assert calls == [(4, 2)] * 3  # one validation evaluation a step, on the 4 held-out prompts
+    (stored,) = (sft.cache_root() / "sft").glob("*/class_stop.json")
+    assert len(json.loads(stored.read_text())["evaluations"]) == 3
+    # the quickstart's SFT phase asks for the same directory: cached, nothing sampled again
+    assert sft_model_dir("sft:tiny", "copy", {}, progress=False) == stored.parent
+    assert len(calls) == 3
+    for spec in ("random:tiny", "sft:huge", "tiny"):
+        with pytest.raises(ValueError, match="is not an sft:SIZE or teacher:SIZE spec"):
+            sft_model_dir(spec, "copy", {})
 
 
 class AnswerCopyTask(CopyTask):

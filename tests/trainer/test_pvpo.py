@@ -15,8 +15,8 @@ from anchor_rl.batch import RolloutBatch
 from anchor_rl.cli import app
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
-from anchor_rl.models.spec import load_spec
 from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.rollout.spec import load_spec
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer import loop
 from anchor_rl.trainer.advantage import base_inputs, compute_advantages

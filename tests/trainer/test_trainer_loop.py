@@ -246,9 +246,9 @@ def test_cli_trains_and_rejects_bad_input(parity, tiny, tmp_path) -> None:
 def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(
     parity, tiny, monkeypatch
 ) -> None:
-    from anchor_rl.models.spec import load_spec
     from anchor_rl.rollout import evaluate as evaluate_module
     from anchor_rl.rollout.engine import make_engine
+    from anchor_rl.rollout.spec import load_spec
     from anchor_rl.trainer import run as run_module
 
     calls = []

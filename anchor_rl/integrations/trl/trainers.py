@@ -70,8 +70,8 @@ from anchor_rl.integrations.trl.data import (
     task_dataset,
     task_reward_function,
 )
-from anchor_rl.models.spec import frozen, load_spec
 from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.pvpo import (

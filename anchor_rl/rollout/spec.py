@@ -3,12 +3,16 @@
 * a Hugging Face causal-LM directory (any path),
 * ``sft:SIZE``: the SFT warm start of that size on the run's task (trained once, cached;
   see ``anchor_rl.models.sft.train_sft``; seed 0, so every seed of a sweep starts from
-  the same reference),
+  the same reference; where the task's default stops SFT by its accuracy classes, the
+  validation samples come from :func:`anchor_rl.rollout.evaluate.class_shares`),
 * ``teacher:SIZE``: the task's built-in teacher of that size: SFT on every training record
   (no curriculum: multihop's 4-hop traces too), longer than the reference (trained once,
   cached; PVPO's ``pvpo.teacher = "hf:teacher:small"``),
 * ``random:SIZE``: a random init of that size with the built-in tokenizer, seeded by the
   run's seed (for tests).
+
+Spec resolution lives in the rollout layer, above ``models``, because training an
+``sft:`` reference may sample from it (the class stop's validator).
 """
 
 from __future__ import annotations
@@ -47,17 +51,31 @@ def _load(
         if kind == "random":
             tokenizer = build_tokenizer()
             return build_model(size, tokenizer, seed=seed).to(device), tokenizer
-        from anchor_rl.models.sft import train_sft
-
-        role = "teacher" if kind == "teacher" else "reference"
-        path = train_sft(task, size, task_kwargs=task_args or None, progress=progress, role=role)
-        return load_policy(path, device=device)
+        return load_policy(sft_model_dir(spec, task, task_args, progress), device=device)
     if not (Path(spec) / "config.json").is_file():
         raise AnchorRLError(
             f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
             "like sft:tiny, teacher:small or random:tiny"
         )
     return load_policy(spec, device=device)
+
+
+def sft_model_dir(spec: str, task: str, task_args: dict[str, Any], progress: bool = True) -> Path:
+    """The directory of the model an ``sft:SIZE`` or ``teacher:SIZE`` spec names, trained
+    first when it is not cached (:func:`anchor_rl.models.sft.train_sft` with the task's
+    defaults; a class stop samples through :func:`anchor_rl.rollout.evaluate.class_shares`).
+    ValueError for any other spec."""
+    from anchor_rl.models.sft import train_sft
+    from anchor_rl.rollout.evaluate import class_shares
+
+    kind, _, size = spec.partition(":")
+    if kind not in {"sft", "teacher"} or size not in SIZES:
+        raise ValueError(f"{spec!r} is not an sft:SIZE or teacher:SIZE spec")
+    role = "teacher" if kind == "teacher" else "reference"
+    kwargs = task_args or None
+    return train_sft(
+        task, size, task_kwargs=kwargs, progress=progress, role=role, validate=class_shares
+    )
 
 
 def load_reference(
