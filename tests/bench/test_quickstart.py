@@ -56,7 +56,8 @@ def test_the_expected_time_is_the_measured_one_or_says_it_is_not(tmp_path, monke
     monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path))  # nothing cached
     total = sum(MEASURED_S.values())
     assert expected_time(quickstart_config("arithmetic"), compare=True).startswith(
-        f"expected time: about {total / 60:.0f} min on 2 CPU cores (4 min of it the SFT"
+        f"expected time: about {total / 60:.0f} min on 2 CPU cores "
+        f"({MEASURED_S['sft'] // 60} min of it the SFT"
     )
     other = quickstart_config("arithmetic", steps=5)
     assert expected_time(other, compare=True) == "expected time: not measured for these settings"
