@@ -64,13 +64,15 @@ def sft_model_dir(spec: str, task: str, task_args: dict[str, Any], progress: boo
     """The directory of the model an ``sft:SIZE`` or ``teacher:SIZE`` spec names, trained
     first when it is not cached (:func:`anchor_rl.models.sft.train_sft` with the task's
     defaults; a class stop samples through :func:`anchor_rl.rollout.evaluate.class_shares`).
-    ValueError for any other spec."""
+    AnchorRLError naming the sizes for any other spec."""
     from anchor_rl.models.sft import train_sft
     from anchor_rl.rollout.evaluate import class_shares
 
     kind, _, size = spec.partition(":")
     if kind not in {"sft", "teacher"} or size not in SIZES:
-        raise ValueError(f"{spec!r} is not an sft:SIZE or teacher:SIZE spec")
+        raise AnchorRLError(
+            f"model {spec!r} is not an sft:SIZE or teacher:SIZE spec; sizes: {', '.join(SIZES)}"
+        )
     role = "teacher" if kind == "teacher" else "reference"
     kwargs = task_args or None
     return train_sft(

@@ -246,6 +246,7 @@ def test_class_stop_settings_parse_validate_and_key_the_config():
 def test_an_sft_spec_whose_default_stops_by_classes_samples_through_the_validator(
     monkeypatch, tmp_path
 ):
+    from anchor_rl.errors import AnchorRLError
     from anchor_rl.rollout import evaluate
     from anchor_rl.rollout.spec import load_spec, sft_model_dir
 
@@ -272,7 +273,7 @@ def test_an_sft_spec_whose_default_stops_by_classes_samples_through_the_validato
     assert sft_model_dir("sft:tiny", "copy", {}, progress=False) == stored.parent
     assert len(calls) == 3
     for spec in ("random:tiny", "sft:huge", "tiny"):
-        with pytest.raises(ValueError, match="is not an sft:SIZE or teacher:SIZE spec"):
+        with pytest.raises(AnchorRLError, match="is not an sft:SIZE or teacher:SIZE spec; sizes"):
             sft_model_dir(spec, "copy", {})
 
 
