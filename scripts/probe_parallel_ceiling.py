@@ -31,8 +31,8 @@ from typing import Any
 PROMPTS, N, MAX_NEW_TOKENS = 8, 8, 80
 
 
-def _calls(size: str, parts: int, part: int) -> tuple[Any, list[tuple]]:
-    """The engine and the rollout arguments of one part of the step (``parts`` equal parts)."""
+def _calls(size: str, parts: int) -> tuple[Any, list[tuple]]:
+    """The engine and the rollout arguments of the step split in ``parts`` equal calls."""
     import torch
 
     from anchor_rl.rollout.engine import make_engine
@@ -57,12 +57,12 @@ def _calls(size: str, parts: int, part: int) -> tuple[Any, list[tuple]]:
         rollout_call(task, records[i : i + share], range(i, i + share), cfg)
         for i in range(0, PROMPTS, share)
     ]
-    return engine, calls[part : part + 1] if parts > 1 and part >= 0 else calls
+    return engine, calls
 
 
 def _sample(engine: Any, calls: list[tuple], repeats: int) -> tuple[int, float]:
-    """(response tokens, wall seconds) of ``repeats`` passes over ``calls``, after a warm-up."""
-    engine.rollout(*calls[0])
+    """(response tokens, wall seconds) of ``repeats`` passes over ``calls`` (warm the engine
+    up first)."""
     tokens, started = 0, time.perf_counter()
     for _ in range(repeats):
         for call in calls:
@@ -71,17 +71,18 @@ def _sample(engine: Any, calls: list[tuple], repeats: int) -> tuple[int, float]:
 
 
 def _worker(size: str, part: int, repeats: int, barrier: Any, out: Any) -> None:
-    engine, calls = _calls(size, 2, part)
-    engine.rollout(*calls[0])  # warm-up before the shared start
+    engine, calls = _calls(size, 2)
+    engine.rollout(*calls[part])  # warm-up before the shared start
     barrier.wait()
-    out.put(_sample(engine, calls, repeats))
+    out.put(_sample(engine, calls[part : part + 1], repeats))
 
 
 def measure(size: str, repeats: int) -> dict[str, Any]:
     """Tokens per second of the three layouts for one model size."""
     figures: dict[str, Any] = {"size": size, "repeats": repeats}
     for layout, parts in (("one", 1), ("halves", 2)):
-        engine, calls = _calls(size, parts, -1)
+        engine, calls = _calls(size, parts)
+        engine.rollout(*calls[0])  # warm-up
         tokens, seconds = _sample(engine, calls, repeats)
         figures[layout] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
     ctx = mp.get_context("spawn")

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from anchor_rl.bench.summary import format_bootstrap, paired, prompt_pairs
+
 DEFAULT_FIGURES = (
     "eval_fixed",
     "eval_kept",
@@ -36,6 +38,9 @@ DEFAULT_FIGURES = (
     "wall_s",
 )
 
+DIGITS = {"policy_rollouts": 0, "rollouts": 0, "amortised_rollouts": 0, "wall_s": 1}
+"""Decimals of the figures that are not accuracies (default 3)."""
+
 
 def _interval(figure: dict[str, Any] | None, digits: int = 3) -> str:
     if figure is None:
@@ -45,10 +50,6 @@ def _interval(figure: dict[str, Any] | None, digits: int = 3) -> str:
     return f"{figure['mean']:.{digits}f} ± {figure['half_width']:.{digits}f}"
 
 
-def _boot(b: dict[str, Any] | None) -> str:
-    return "–" if b is None else f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
-
-
 def _seed_t(figure: dict[str, Any] | None) -> str:
     return "–" if figure is None else f"[{figure['low']:+.3f}, {figure['high']:+.3f}]"
 
@@ -56,8 +57,8 @@ def _seed_t(figure: dict[str, Any] | None) -> str:
 def rows(suite_dir: Path, figures: tuple[str, ...] = DEFAULT_FIGURES) -> list[str]:
     """One line per run of the suite in ``suite_dir``, ``|``-separated."""
     summary = json.loads((suite_dir / "summary.json").read_text())
-    paired = summary.get("paired", {})
-    baseline = paired.get("baseline")
+    comparisons = summary.get("paired", {})
+    baseline = comparisons.get("baseline")
     lines = [
         "| run | held-out after (t over seeds; per seed) | gain [paired bootstrap] / [seed t] "
         f"| vs `{baseline}` [paired bootstrap] | " + " | ".join(figures) + " |"
@@ -66,10 +67,10 @@ def rows(suite_dir: Path, figures: tuple[str, ...] = DEFAULT_FIGURES) -> list[st
         label, f = group["label"], group["figures"]
         final = f.get("eval_final")
         seeds = " / ".join(f"{v:.3f}" for v in final["values"]) if final else "–"
-        gain = f"{_boot(paired.get('gain', {}).get(label))} / {_seed_t(f.get('eval_gain'))}"
-        vs = _boot(paired.get("vs_baseline", {}).get(label))
-        digits = {"policy_rollouts": 0, "rollouts": 0, "amortised_rollouts": 0, "wall_s": 1}
-        rest = [_interval(f.get(name), digits.get(name, 3)) for name in figures]
+        boot = format_bootstrap(comparisons.get("gain", {}).get(label))
+        gain = f"{boot} / {_seed_t(f.get('eval_gain'))}"
+        vs = format_bootstrap(comparisons.get("vs_baseline", {}).get(label))
+        rest = [_interval(f.get(name), DIGITS.get(name, 3)) for name in figures]
         start = _interval(f.get("eval_start"))
         lines.append(
             f"| {label} | {_interval(final)} ({seeds}) | {gain} | {vs} | " + " | ".join(rest) + " |"
@@ -80,19 +81,18 @@ def rows(suite_dir: Path, figures: tuple[str, ...] = DEFAULT_FIGURES) -> list[st
 
 def against(suite_dir: Path, baseline: str) -> list[str]:
     """``run: difference [paired bootstrap]`` to ``baseline`` for every other run."""
-    from anchor_rl.bench.summary import paired, prompt_accuracy
-    from anchor_rl.trainer.logging import read_evals
-
     summary = json.loads((suite_dir / "summary.json").read_text())
-    per_prompt: dict[str, list[Any]] = {}
-    for run in summary["runs"]:
-        pair = prompt_accuracy(read_evals(suite_dir / run["label"] / f"seed{run['seed']}"))
-        if pair is not None:
-            per_prompt.setdefault(run["label"], []).append(pair)
+    runs = (
+        (run["label"], suite_dir / run["label"] / f"seed{run['seed']}") for run in summary["runs"]
+    )
+    per_prompt = prompt_pairs(runs)
     if baseline not in per_prompt:
         raise SystemExit(f"no run {baseline!r} with per-prompt results in {suite_dir}")
     comparisons = paired(per_prompt, baseline)
-    return [f"{label} vs {baseline}: {_boot(b)}" for label, b in comparisons["vs_baseline"].items()]
+    return [
+        f"{label} vs {baseline}: {format_bootstrap(b)}"
+        for label, b in comparisons["vs_baseline"].items()
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
+from anchor_rl.bench.summary import format_bootstrap
 from anchor_rl.trainer.config import TrainConfig, load_config
 
 SETTINGS: tuple[str, ...] = (
@@ -246,10 +247,6 @@ def write_report(out: Path, facts: Mapping[str, Any]) -> tuple[Path, Path]:
     return md, png
 
 
-def _interval(b: Mapping[str, Any]) -> str:
-    return f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
-
-
 def headline(comparison: Mapping[str, Any]) -> str:
     """One sentence: PVPO's final held-out accuracy against GRPO's, and whether the paired
     interval tells them apart."""
@@ -261,7 +258,7 @@ def headline(comparison: Mapping[str, Any]) -> str:
     else:
         verdict = "PVPO and GRPO cannot be told apart"
     return (
-        f"{verdict} on {d['prompts']} held-out prompts: PVPO minus GRPO {_interval(d)} "
+        f"{verdict} on {d['prompts']} held-out prompts: PVPO minus GRPO {format_bootstrap(d)} "
         "(mean [95% paired bootstrap over prompts]; one seed)"
     )
 
@@ -281,7 +278,7 @@ def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
     for name, label in (("pvpo", "PVPO"), ("grpo", "GRPO")):
         r = c["runs"][name]
         lines.append(
-            f"| {label} | {r['before']:.3f} → {r['after']:.3f} | {_interval(r['gain'])} "
+            f"| {label} | {r['before']:.3f} → {r['after']:.3f} | {format_bootstrap(r['gain'])} "
             f"| {r['rollouts']:.0f} | {r['seconds']:.0f} |"
         )
     return [*lines, ""]

@@ -499,24 +499,21 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
 def _paired_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]]] | None:
     """The suite's gains over the reference and differences to its first label, paired over
     held-out prompts (from the runs' ``evals.jsonl``); None when no run has them."""
-    from anchor_rl.bench.summary import paired, prompt_accuracy
-    from anchor_rl.trainer.logging import read_evals
+    from anchor_rl.bench.summary import format_bootstrap, paired, prompt_pairs
 
-    per_prompt = {}
-    for m in methods:
-        pairs = [p for d in m.run_dirs if (p := prompt_accuracy(read_evals(d))) is not None]
-        if pairs:
-            per_prompt[m.label] = pairs
+    per_prompt = prompt_pairs((m.label, d) for m in methods for d in m.run_dirs)
     if not per_prompt:
         return None
     comparisons = paired(per_prompt, next(iter(per_prompt)))
     baseline = comparisons["baseline"]
 
-    def cell(b: dict[str, Any] | None) -> str:
-        return "–" if b is None else f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
-
     rows = [
-        [label, str(gain["prompts"]), cell(gain), cell(comparisons["vs_baseline"].get(label))]
+        [
+            label,
+            str(gain["prompts"]),
+            format_bootstrap(gain),
+            format_bootstrap(comparisons["vs_baseline"].get(label)),
+        ]
         for label, gain in comparisons["gain"].items()
     ]
     return ["run", "prompts", "gain over the reference", f"vs `{baseline}` (final)"], rows

@@ -8,7 +8,7 @@ comparisons) and ``summary.md`` (one table row per preset/variant, then the pair
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,19 @@ def class_accuracy(start: Mapping[str, float], final: Mapping[str, float]) -> di
     return out
 
 
+def prompt_pairs(runs: Iterable[tuple[str, Path]]) -> dict[str, list[Any]]:
+    """label -> the :func:`prompt_accuracy` pairs of that label's run directories, from
+    ``(label, run_dir)`` pairs; runs without both evaluations and labels without any such
+    run are left out. What :func:`paired` takes."""
+    from anchor_rl.trainer.logging import read_evals
+
+    out: dict[str, list[Any]] = {}
+    for label, run_dir in runs:
+        if (pair := prompt_accuracy(read_evals(run_dir))) is not None:
+            out.setdefault(label, []).append(pair)
+    return out
+
+
 def paired(
     runs: Mapping[str, Sequence[tuple[dict[str, float], dict[str, float]]]],
     baseline: str | None = None,
@@ -277,13 +290,14 @@ def paired_table(comparisons: Mapping[str, Any]) -> str:
     ]
     for label, gain in comparisons["gain"].items():
         vs = comparisons["vs_baseline"].get(label)
-        cells = [_fmt_boot(gain), "–" if vs is None else _fmt_boot(vs)]
+        cells = [format_bootstrap(gain), format_bootstrap(vs)]
         lines.append(f"| {label} | {gain['prompts']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _fmt_boot(b: Mapping[str, Any]) -> str:
-    return f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
+def format_bootstrap(b: Mapping[str, Any] | None) -> str:
+    """A paired-bootstrap result as ``+0.012 [+0.005, +0.020]``; ``–`` for None."""
+    return "–" if b is None else f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
 
 
 def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
