@@ -351,10 +351,10 @@ def _steps_to_match(method: Method, baseline: Method) -> str | None:
     if target <= by[0]:
         return f"held-out accuracy: the baseline ended at {target:.3f}, not above its start"
     i = first_sustained(ys[1:], target)  # from the first step after the start
-    if i is None:
+    if i is None:  # four digits: a near miss must not print as "best 0.683 vs target 0.683"
         return (
-            f"held-out accuracy: not reached and held, best {max(ys):.3f} vs target "
-            f"{target:.3f} (baseline at step {last:g})"
+            f"held-out accuracy: not reached and held, best {max(ys):.4f} vs target "
+            f"{target:.4f} (baseline at step {last:g})"
         )
     reached = xs[i + 1]
     return (

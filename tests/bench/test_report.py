@@ -45,9 +45,9 @@ def _records(accuracy: list[float]) -> list[dict[str, float]]:
     return records
 
 
-def _write_suite(root) -> None:
+def _write_suite(root, accuracy_by_label=ACCURACY) -> None:
     runs = []
-    for label, seeds in ACCURACY.items():
+    for label, seeds in accuracy_by_label.items():
         for seed, accuracy in enumerate(seeds):
             run_dir = root / label / f"seed{seed}"
             run_dir.mkdir(parents=True)
@@ -149,6 +149,16 @@ def test_claims_measured_by_hand(bench) -> None:
     assert measure_claim(by[("final_gain", "v05+k4", "grpo+k16")], results) == []
     (mse,) = measure_claim(by[("mse", "v05_k4", "group_mean_k4")], results)
     assert mse.startswith("group_mean_k4: MSE 0.250/0.250, rollouts 4; v05_k4: MSE 0.050/0.150")
+
+
+def test_a_near_miss_is_not_printed_as_the_target(tmp_path) -> None:
+    # pvpo+n2 ends 0.0004 below grpo+n8's final mean: three digits would print both as 0.600
+    root = tmp_path / "runs"
+    _write_suite(root / "near", {"grpo+n8": ACCURACY["grpo+n8"],
+                                 "pvpo+n2": ([0.2, 0.5, 0.5996], [0.2, 0.5, 0.5996])})  # fmt: skip
+    by = {(c.measure, c.method, c.baseline): c for c in CLAIMS}
+    (speed,) = measure_claim(by[("steps_to_match", "pvpo+n2", "grpo+n8")], load_results([root]))
+    assert speed.startswith("held-out accuracy: not reached and held, best 0.5996 vs target 0.6000")
 
 
 def test_report_files_and_offline_html(bench, tmp_path) -> None:

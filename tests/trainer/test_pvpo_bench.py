@@ -81,5 +81,9 @@ def test_pvpo_suites_plan_grpo_and_pvpo_at_equal_steps(name, tmp_path) -> None:
         modes = {(s.config.pvpo.refresh_every, s.config.pvpo.refresh_mode) for s in specs}
         assert {(50, "reference"), (50, "policy")} <= modes  # both refresh modes exercised
     assert suite.target_accuracy is not None
+    # held out: >= 1,000 greedy prompts, or avg@k at T > 0 over >= 1,000 samples
+    for s in specs:
+        assert s.config.eval.prompts * s.config.eval.k >= 1000, s.label
+        assert s.config.eval.k == 1 or s.config.eval.temperature > 0, s.label
     quick = plan(suite, tmp_path, seeds=[0], profile="quick")
     assert all(s.config.model == "random:tiny" and s.config.steps == 2 for s in quick)
