@@ -51,7 +51,10 @@ def _interval(figure: dict[str, Any] | None, digits: int = 3) -> str:
 
 
 def _seed_t(figure: dict[str, Any] | None) -> str:
-    return "–" if figure is None else f"[{figure['low']:+.3f}, {figure['high']:+.3f}]"
+    """The seed-level t interval; "–" without one (one seed has no interval)."""
+    if figure is None or figure["n"] < 2:
+        return "–"
+    return f"[{figure['low']:+.3f}, {figure['high']:+.3f}]"
 
 
 def rows(suite_dir: Path, figures: tuple[str, ...] = DEFAULT_FIGURES) -> list[str]:

@@ -5,6 +5,7 @@ torch and transformers are imported inside the command, so ``anchor-rl --help`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from pathlib import Path
@@ -55,6 +56,13 @@ def bench(
     device: Annotated[
         str | None, typer.Option("--device", help="Torch device of every run (cpu, cuda).")
     ] = None,
+    runs: Annotated[
+        str | None,
+        typer.Option(
+            "--runs",
+            help="Comma-separated run labels to run, e.g. grpo+n8 (default: the suite's).",
+        ),
+    ] = None,
 ) -> None:
     """Run a benchmark suite; writes summary.json, summary.md and accuracy plots.
 
@@ -67,10 +75,17 @@ def bench(
     seed_list = _parse_seeds(seeds) if seeds is not None else None
     settings = [*(overrides or []), *([f"device={device}"] if device else [])]
     if suite in FUNCTION_SUITES:
+        if runs is not None:
+            raise ConfigError(f"--runs picks runs of a suite file; suite {suite!r} has none")
         module, _, name = FUNCTION_SUITES[suite].partition(":")
         run, target = getattr(importlib.import_module(module), name), suite
     else:
         loaded = load_suite(suite)
+        if runs is not None:  # plan() rejects a label the suite does not have
+            labels = [r.strip() for r in runs.split(",") if r.strip()]
+            if not labels:
+                raise ConfigError(f"--runs names no run: {runs!r}")
+            loaded = dataclasses.replace(loaded, runs=labels)
         run, target = functools.partial(run_suite, loaded), loaded.name
     args = BenchArgs(
         out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,

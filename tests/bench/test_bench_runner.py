@@ -224,6 +224,24 @@ def test_bench_cli(micro, tmp_path) -> None:
     assert bad.exit_code == 2 and "--seeds" in bad.output
 
 
+@pytest.mark.slow
+def test_bench_cli_runs_picks_cells_of_the_suite(micro, tmp_path) -> None:
+    out = tmp_path / "one"
+    # the micro suite has variants, so without --runs the bare presets would not run
+    args = ["bench", str(micro), "--runs", "rloo", "--steps", "1", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert [g["label"] for g in groups] == ["rloo"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["rloo"]
+    unknown = CliRunner().invoke(app, ["bench", str(micro), "--runs", "ppo", "--out", str(out)])
+    assert unknown.exit_code == 2, unknown.output
+    assert "['ppo']" in unknown.output and "rloo+short" in unknown.output
+    for bad in (["bench", str(micro), "--runs", " , "], ["bench", "trl", "--runs", "grpo"]):
+        result = CliRunner().invoke(app, [*bad, "--out", str(out)])
+        assert result.exit_code == 2 and "--runs" in result.output, result.output
+
+
 def _records(accs, rewards, seconds):
     records = [{"step": 0, "eval/accuracy": accs[0], "rollouts/cumulative": 0, "time/elapsed": 1.0}]
     for i, (r, s) in enumerate(zip(rewards, seconds, strict=True), 1):

@@ -21,7 +21,10 @@ def test_rows_quote_per_seed_values_both_intervals_and_the_baseline_difference(t
             {"label": "grpo", "figures": {"eval_final": _figure([0.5, 0.6, 0.7], 0.25),
                                           "eval_gain": _figure([0.0, 0.1, 0.2], 0.25),
                                           "rollouts": _figure([6400.0] * 3, 0.0)}},
-            {"label": "pvpo", "figures": {"eval_final": _figure([0.61], 0.0)}},
+            {"label": "pvpo", "figures": {  # one seed: no t interval (low/high None)
+                "eval_final": _figure([0.61], 0.0),
+                "eval_gain": {"mean": 0.05, "half_width": None, "low": None, "high": None,
+                              "n": 1, "values": [0.05]}}},
         ],
         "paired": {"baseline": "grpo", "gain": {"grpo": boot}, "vs_baseline": {"pvpo": boot}},
     }  # fmt: skip
