@@ -42,7 +42,7 @@ def main(spec: str = "sft:tiny", rounds: str = "3") -> None:
         batch = engine.rollout(*call)
         return time.perf_counter() - start, batch
 
-    reference_s, reference = timed(eager_layers)
+    _, reference = timed(eager_layers)
     first_s, compiled = timed(compiled_layers)
     if not torch.equal(reference.response_ids, compiled.response_ids):
         raise SystemExit("compiled decoding sampled other tokens")
