@@ -76,9 +76,10 @@ def rows(suite_dir: Path, figures: tuple[str, ...] = DEFAULT_FIGURES) -> list[st
         rest = [_interval(f.get(name), DIGITS.get(name, 3)) for name in figures]
         start = _interval(f.get("eval_start"))
         lines.append(
-            f"| {label} | {_interval(final)} ({seeds}) | {gain} | {vs} | " + " | ".join(rest) + " |"
+            f"| {label} | {_interval(final)} ({seeds}) | {gain} | {vs} | "
+            + " | ".join(rest)
+            + f" |  (held-out before {start})"
         )
-        lines[-1] += f"  (held-out before {start})"
     return lines
 
 

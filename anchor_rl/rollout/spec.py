@@ -36,7 +36,7 @@ def load_spec(
     device: str,
     progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model a spec names; ValueError naming the spec if it is not one."""
+    """Load the model a spec names; AnchorRLError naming the spec if it is not one."""
     with quiet_transformers():
         return _load(spec, task, task_args, seed, device, progress)
 
@@ -91,7 +91,7 @@ def load_reference(
 ) -> PreTrainedModel:
     """The frozen reference policy a spec names (:func:`load_spec`, then :func:`frozen`).
 
-    ValueError when its tokenizer's vocabulary differs from ``tokenizer`` (the policy's):
+    AnchorRLError when its tokenizer's vocabulary differs from ``tokenizer`` (the policy's):
     a KL term, anchors or teacher log-probs compare the two models token by token.
     """
     model, ref_tokenizer = load_spec(spec, task, task_args, seed, device, progress)
