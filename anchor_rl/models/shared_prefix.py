@@ -13,14 +13,15 @@ Layout (:class:`SharedPrefixLayout`, built on the CPU):
 
 - prompts: the ``G`` distinct prompts, left-padded ``[G, P]``, position ids counting real
   tokens; each attends causally to its own real tokens.
-- responses: the ``N`` real response tokens of all rows, flat ``[N]`` (row by row, as the
-  packed layout), so the linear layers see no padding; for attention they are scattered
-  into a ``[B, T]`` grid (``T`` the longest response) whose row ``i`` attends to its
-  prompt's keys ``[P]`` (real ones only) and causally to its own ``[T]``. Positions
+- responses: the ``N`` real response tokens of all rows, flat ``[N]`` (row by row, the rows
+  by decreasing length), so the linear layers see no padding; for attention the rows go
+  in buckets of at most :data:`BUCKET_ROWS` rows of similar length, each bucket's tokens
+  scattered into an ``[R, T]`` grid (``T`` its longest response) whose row ``i`` attends
+  to its prompt's keys ``[P]`` (real ones only) and causally to its own ``[T]``. Positions
   continue the prompt's: ``len(prompt) + t``.
 - outputs: response token ``t`` of row ``i`` is predicted by the prompt's last state for
   ``t = 0`` and by response state ``t - 1`` otherwise; only those ``N`` states go through
-  the output layer.
+  the output layer, in the batch's flat order (row by row, rows in order).
 
 Attention is PyTorch's ``scaled_dot_product_attention`` with a boolean mask; the layers are
 the model's own modules (:mod:`anchor_rl.models.llama`), so this needs a Llama-architecture
@@ -29,7 +30,7 @@ model and no attention dropout while training (:func:`shared_prefix_unsupported`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,11 @@ from anchor_rl.models.padding import distinct_rows, left_pad, position_ids, toke
 
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
+
+BUCKET_ROWS = 16
+"""Rows per attention grid of the responses. One grid of all rows is as wide as the longest
+response; grids of rows of similar length (the rows sorted by length) waste less of the
+attention's arithmetic on padding (``scripts/probe_attention.py`` measures both)."""
 
 
 def shared_prefix_unsupported(model: PreTrainedModel, head: bool = True) -> str | None:
@@ -62,15 +68,43 @@ def has_shared_prompt(prompts: list[list[int]]) -> bool:
 
 
 @dataclass
+class Bucket:
+    """Rows whose responses attend together, in one ``[R, T]`` grid (``T`` their longest).
+
+    start, stop: their tokens' slice of the layout's ``tokens``. rows: ``[R]`` the batch rows
+    and prompt_of ``[R]`` their prompts. cells: ``[stop - start]`` each token's cell
+    ``r * T + t`` in the grid. width: ``T``.
+    """
+
+    start: int
+    stop: int
+    rows: torch.Tensor
+    prompt_of: torch.Tensor
+    cells: torch.Tensor
+    width: int
+
+    def to(self, device: torch.device | str) -> Bucket:
+        """The same bucket with its tensors on ``device``."""
+        return replace(
+            self,
+            rows=self.rows.to(device),
+            prompt_of=self.prompt_of.to(device),
+            cells=self.cells.to(device),
+        )
+
+
+@dataclass
 class SharedPrefixLayout:
     """Index tensors of one batch in the shared-prefix layout (module docstring).
 
     prompt_ids, prompt_mask, prompt_pos: ``[G, P]`` left-padded distinct prompts (long;
     mask 1 on real tokens). prompt_of: ``[B]`` each row's prompt. tokens, token_pos:
-    ``[N]`` the real response tokens and their position ids. row_of, t_of: ``[N]`` each
-    token's row and column. grid: ``[N]`` each token's cell ``row * T + t`` in the ``[B, T]``
-    attention grid. predictor: ``[N]`` the state predicting each token in
-    ``cat(prompt_last[G], response_states[N])``. width: ``T``.
+    ``[N]`` the real response tokens and their position ids, in bucket order (the rows by
+    decreasing length, row by row). buckets: the rows in groups of at most
+    :data:`BUCKET_ROWS`, each with its own attention grid. row_of, t_of: ``[N]`` the row and
+    column of each token in flat order (the batch's rows in order, row by row: the order
+    of the outputs). predictor: ``[N]`` the state predicting each token (flat order) in
+    ``cat(prompt_last[G], response_states[N])``, the response states in bucket order.
     """
 
     prompt_ids: torch.Tensor
@@ -81,9 +115,8 @@ class SharedPrefixLayout:
     token_pos: torch.Tensor
     row_of: torch.Tensor
     t_of: torch.Tensor
-    grid: torch.Tensor
+    buckets: list[Bucket]
     predictor: torch.Tensor
-    width: int
 
     @staticmethod
     def of(batch: RolloutBatch) -> SharedPrefixLayout:
@@ -94,24 +127,41 @@ class SharedPrefixLayout:
         prompt_ids, prompt_mask = left_pad([list(batch.prompt_ids[i]) for i in first], batch.pad_id)
         lengths = batch.attention_mask.sum(-1).long().tolist()
         row_of, t_of = token_cells(lengths)
-        width = max(lengths, default=0)
+        # bucket order: the rows by decreasing length (ties in batch order), so that each
+        # bucket's grid is about as wide as its rows are long; empty rows have no tokens
+        order = sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: -lengths[i])
+        start = [0] * len(lengths)  # each row's first token in bucket order
+        buckets, done = [], 0
+        for k in range(0, len(order), BUCKET_ROWS):
+            rows = order[k : k + BUCKET_ROWS]
+            width, begin = lengths[rows[0]], done
+            cells = []
+            for r, row in enumerate(rows):
+                start[row] = done
+                cells += range(r * width, r * width + lengths[row])
+                done += lengths[row]
+            rows_t = torch.as_tensor(rows, dtype=torch.long)
+            buckets.append(
+                Bucket(begin, done, rows_t, prompt_of[rows_t], torch.as_tensor(cells), width)
+            )
+        moved = torch.as_tensor(start, dtype=torch.long)[row_of] + t_of  # flat -> bucket order
+        internal_row = torch.empty_like(row_of).index_copy_(0, moved, row_of)
+        internal_t = torch.empty_like(t_of).index_copy_(0, moved, t_of)
         prompt_len = prompt_mask.sum(-1)
         # the first token of a row is predicted by its prompt's last state (index g), token
-        # t > 0 by the response state just before it (index G + its flat index - 1)
-        flat = torch.arange(len(row_of))
-        predictor = torch.where(t_of == 0, prompt_of[row_of], len(first) + flat - 1)
+        # t > 0 by the response state just before it (index G + its bucket-order index - 1)
+        predictor = torch.where(t_of == 0, prompt_of[row_of], len(first) + moved - 1)
         return SharedPrefixLayout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             prompt_pos=position_ids(prompt_mask),
             prompt_of=prompt_of,
-            tokens=batch.response_ids[row_of, t_of],
-            token_pos=prompt_len[prompt_of[row_of]] + t_of,
+            tokens=batch.response_ids[internal_row, internal_t],
+            token_pos=prompt_len[prompt_of[internal_row]] + internal_t,
             row_of=row_of,
             t_of=t_of,
-            grid=row_of * width + t_of,
+            buckets=buckets,
             predictor=predictor,
-            width=width,
         )
 
     def to(self, device: torch.device | str) -> SharedPrefixLayout:
@@ -120,6 +170,7 @@ class SharedPrefixLayout:
             name: value.to(device) if isinstance(value, torch.Tensor) else value
             for name, value in vars(self).items()
         }
+        moved["buckets"] = [b.to(device) for b in self.buckets]
         return SharedPrefixLayout(**moved)
 
 
@@ -127,10 +178,25 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Attention of ``q[R, heads, Q, D]`` over ``k``, ``v`` ``[R, kv_heads, K, D]`` where
-    ``allowed[R, 1, Q, K]``; the heads' outputs ``[R, Q, heads * D]``."""
-    out = scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    ``allowed[R, 1, Q, K]``; the heads' outputs ``[R, Q, heads * D]``, in ``v``'s dtype.
+
+    On the CPU, attention in bfloat16 (under ``optim.autocast = "bf16"``, or a bfloat16
+    model) runs in float32 instead: the CPU kernel's bfloat16 backward is ~4x slower than
+    its float32 one at the shapes of a GRPO step (``scripts/probe_attention.py``), and a
+    float32 softmax is the more exact.
+    """
+    device = q.device.type
+    if device == "cpu" and (torch.is_autocast_enabled(device) or v.dtype != torch.float32):
+        with torch.autocast(device, enabled=False):
+            out = scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )  # fmt: skip
+        out = out.to(v.dtype)
+    else:
+        out = scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     return out.transpose(1, 2).flatten(2)
 
 
@@ -147,18 +213,20 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
     at that position. Flat token order; gradients flow when grad is enabled."""
     device = layout.tokens.device
     p = layout.prompt_ids.shape[1]
-    b, t = len(layout.prompt_of), layout.width
-    if t == 0:  # no response tokens: nothing to predict
+    if not layout.buckets:  # no response tokens: nothing to predict
         return inner.norm(inner.embed_tokens(layout.tokens))
     # the prompts' mask: causal over real keys; a padding query sees itself (no empty row)
     real = layout.prompt_mask.bool()
     causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
     itself = torch.eye(p, dtype=torch.bool, device=device)
     prompt_allowed = ((causal[None] & real[:, None, :]) | itself)[:, None]  # [G, 1, P, P]
-    # the responses' mask: their prompt's real keys, then causal over their own cells
-    own = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
-    response_allowed = torch.cat([real[layout.prompt_of][:, None, :].expand(b, t, p), own], -1)
-    response_allowed = response_allowed[:, None]  # [B, 1, T, P + T]
+    # each bucket's mask: its rows' prompt keys (real ones), then causal over their own cells
+    response_allowed = []
+    for bucket in layout.buckets:
+        r, t = len(bucket.rows), bucket.width
+        own = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(r, t, t)
+        prompt_keys = real[bucket.prompt_of][:, None, :].expand(r, t, p)
+        response_allowed.append(torch.cat([prompt_keys, own], -1)[:, None])  # [R, 1, T, P + T]
 
     prompts = inner.embed_tokens(layout.prompt_ids)  # [G, P, H]
     tokens = inner.embed_tokens(layout.tokens)  # [N, H]
@@ -168,20 +236,24 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
     cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
     scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
 
-    def grid(x: torch.Tensor) -> torch.Tensor:
-        """``x[N, heads, D]`` scattered into the attention grid ``[B, heads, T, D]``."""
-        cells = x.new_zeros(b * t, *x.shape[1:]).index_copy(0, layout.grid, x)
-        return cells.view(b, t, *x.shape[1:]).transpose(1, 2)
+    def grid(x: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The bucket's rows of ``x[N, heads, D]`` in its attention grid ``[R, heads, T, D]``."""
+        r, t = len(bucket.rows), bucket.width
+        part = x[bucket.start : bucket.stop]
+        cells = part.new_zeros(r * t, *x.shape[1:]).index_copy(0, bucket.cells, part)
+        return cells.view(r, t, *x.shape[1:]).transpose(1, 2)
 
     for layer in inner.layers:
         qp, kp, vp = (x.transpose(1, 2) for x in project(layer, prompts, cos_p, sin_p))
         qr, kr, vr = project(layer, tokens, cos_r, sin_r)  # [N, heads | kv_heads, D]
-        keys = torch.cat([kp[layout.prompt_of], grid(kr)], dim=2)  # [B, kv_heads, P + T, D]
-        values = torch.cat([vp[layout.prompt_of], grid(vr)], dim=2)
         prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
-        response_out = _attend(grid(qr), keys, values, response_allowed, scale)  # [B, T, .]
-        response_out = response_out.reshape(b * t, -1).index_select(0, layout.grid)
+        response_out = []
+        for bucket, allowed in zip(layout.buckets, response_allowed, strict=True):
+            keys = torch.cat([kp[bucket.prompt_of], grid(kr, bucket)], 2)  # [R, kv, P + T, D]
+            values = torch.cat([vp[bucket.prompt_of], grid(vr, bucket)], 2)
+            out = _attend(grid(qr, bucket), keys, values, allowed, scale)  # [R, T, heads * D]
+            response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
         prompts = finish(layer, prompts, prompt_out)
-        tokens = finish(layer, tokens, response_out)
+        tokens = finish(layer, tokens, torch.cat(response_out))
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
     return inner.norm(states)

@@ -120,8 +120,12 @@ def _bias(attend: torch.Tensor) -> torch.Tensor:
 class StaticDecoder:
     """A Llama-architecture model's decoder layers run with preallocated key/value buffers.
 
-    Buffers are ``[B, H_kv, L + budget, D]`` per layer for keys and values, allocated at
-    ``prefill``; a step past the budget is an error.
+    Buffers per layer: keys ``[B, H_kv, D, L + budget]`` (transposed, so the scores are a
+    batched matmul on a plain column slice: on the CPU, where a decode step's attention is
+    bound by reading the cache, bfloat16 keys read through a transposed view of ``[..., L,
+    D]`` buffers cost a copy of the view, ``scripts/probe_attention.py``) and values
+    ``[B, H_kv, L + budget, D]``, allocated at ``prefill``; a step past the budget is an
+    error.
     """
 
     COMPACT_BELOW = 0.75
@@ -168,7 +172,9 @@ class StaticDecoder:
         if shared:  # every row its own buffers, with room for the budget
             rows = torch.as_tensor(copy_of, device=device)
             keys, values = self._buffers(b, width, device)
-            for full, part in zip(keys + values, self.keys + self.values, strict=True):
+            for full, part in zip(keys, self.keys, strict=True):
+                full[..., :length] = part[rows]
+            for full, part in zip(values, self.values, strict=True):
                 full[:, :, :length] = part[rows]
             self.keys, self.values = keys, values
             self.keep, logits = self.keep[rows], logits[rows]
@@ -179,14 +185,15 @@ class StaticDecoder:
     def _buffers(
         self, rows: int, width: int, device: torch.device
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Uninitialised key and value buffers ``[rows, H_kv, width, D]``, one per layer."""
-        dtype = self.inner.embed_tokens.weight.dtype
-        shape = (rows, self.kv_heads, width, self.head_dim)
-        new = [
-            torch.empty(shape, device=device, dtype=dtype)
-            for _ in range(2 * len(self.inner.layers))
-        ]
-        return new[: len(self.inner.layers)], new[len(self.inner.layers) :]
+        """Uninitialised key buffers ``[rows, H_kv, D, width]`` and value buffers ``[rows,
+        H_kv, width, D]``, one of each per layer."""
+        dtype, layers = self.inner.embed_tokens.weight.dtype, len(self.inner.layers)
+        keys = (rows, self.kv_heads, self.head_dim, width)
+        values = (rows, self.kv_heads, width, self.head_dim)
+        return (
+            [torch.empty(keys, device=device, dtype=dtype) for _ in range(layers)],
+            [torch.empty(values, device=device, dtype=dtype) for _ in range(layers)],
+        )
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if len(tokens) != len(self.rows):
@@ -232,15 +239,15 @@ class StaticDecoder:
         group = heads // kv_heads  # query heads per key/value head
         for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
             q, k, v = project(layer, hidden, cos, sin)  # [B, n, heads | kv_heads, D]
-            keys[:, :, start:end] = k.transpose(1, 2)
+            keys[..., start:end] = k.permute(0, 2, 3, 1)
             values[:, :, start:end] = v.transpose(1, 2)
-            # batched matmuls on strided views of the buffers (no copy of the cache):
+            # batched matmuls on column slices of the buffers (no copy of the cache):
             # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
-            width = keys.shape[2]
-            k_seen = keys.view(b * kv_heads, width, d)[:, :end]
+            width = values.shape[2]
+            k_seen = keys.view(b * kv_heads, d, width)[..., :end]
             v_seen = values.view(b * kv_heads, width, d)[:, :end]
             q = q.transpose(1, 2).reshape(b * kv_heads, group * n, d)
-            scores = torch.bmm(q, k_seen.transpose(1, 2))
+            scores = torch.bmm(q, k_seen)
             scores = scores.view(b, heads, n, end).mul_(self.scaling).add_(bias)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
             probs = probs.view(b * kv_heads, group * n, end)

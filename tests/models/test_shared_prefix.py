@@ -9,7 +9,7 @@ import torch
 from helpers import llama_variants, response_batch, scores_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from anchor_rl.models import scoring
+from anchor_rl.models import scoring, shared_prefix
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
@@ -28,23 +28,40 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]]):
     return response_batch(prompts, responses, PAD)
 
 
-def test_layout_of_a_hand_example():
+def test_layout_of_a_hand_example(monkeypatch):
     """Two rows share prompt [5, 6, 7]; one row has prompt [8] and an empty response."""
     batch = make_batch([[5, 6, 7], [8], [5, 6, 7]], [[10, 11], [], [12, 13, 14]])
     layout = SharedPrefixLayout.of(batch)
     assert layout.prompt_ids.tolist() == [[5, 6, 7], [PAD, PAD, 8]]
     assert layout.prompt_pos.tolist() == [[0, 1, 2], [0, 0, 0]]
     assert layout.prompt_of.tolist() == [0, 1, 0]
-    assert layout.tokens.tolist() == [10, 11, 12, 13, 14]
+    # bucket order: the longest row first; the empty row is in no bucket
+    assert layout.tokens.tolist() == [12, 13, 14, 10, 11]
+    assert layout.token_pos.tolist() == [3, 4, 5, 3, 4]  # positions continue the prompt's
+    (bucket,) = layout.buckets
+    assert (bucket.start, bucket.stop, bucket.width) == (0, 5, 3)
+    assert bucket.rows.tolist() == [2, 0] and bucket.prompt_of.tolist() == [0, 0]
+    assert bucket.cells.tolist() == [0, 1, 2, 3, 4]
+    # flat order (the outputs'): row by row, rows in order
     assert layout.row_of.tolist() == [0, 0, 2, 2, 2] and layout.t_of.tolist() == [0, 1, 0, 1, 2]
-    assert layout.token_pos.tolist() == [3, 4, 3, 4, 5]  # positions continue the prompt's
-    assert layout.width == 3 and layout.grid.tolist() == [0, 1, 6, 7, 8]
-    # token 0 of a row <- its prompt's last state (0); token t <- the state before it (2 + flat - 1)
-    assert layout.predictor.tolist() == [0, 2, 0, 4, 5]
+    # token 0 of a row <- its prompt's last state (0); token t <- the state before it, at
+    # 2 + its bucket-order index - 1 (row 0's tokens are at 3 and 4, row 2's at 0, 1, 2)
+    assert layout.predictor.tolist() == [0, 5, 0, 2, 3]
+    monkeypatch.setattr(shared_prefix, "BUCKET_ROWS", 1)  # a grid per row
+    one, two = SharedPrefixLayout.of(batch).buckets
+    assert (one.start, one.stop, one.width, one.rows.tolist()) == (0, 3, 3, [2])
+    assert (two.start, two.stop, two.width, two.rows.tolist()) == (3, 5, 2, [0])
+    assert two.cells.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("bucket_rows", [16, 2])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradients(name):
+def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradients(
+    name, bucket_rows, monkeypatch
+):
+    """With one attention grid for every row (16) and with several (2: rows of different
+    lengths in buckets of two)."""
+    monkeypatch.setattr(shared_prefix, "BUCKET_ROWS", bucket_rows)
     model = MODELS[name].train()
     p1, p2, p3 = [5, 20, 21, 30, 31], [40, 41], [9, 60, 61]
     prompts = [p1, p2, p1, p3, p1, p2, p1]  # groups of 4, 2 and 1
@@ -104,3 +121,28 @@ def test_config_refuses_shared_prefix_without_padding_free():
     with pytest.raises(ConfigError, match="shared-prefix forward is padding-free"):
         load_config("grpo", ["optim.shared_prefix=on", "optim.padding_free=off"])
     assert load_config("grpo", []).optim.shared_prefix == "auto"
+
+
+def test_bf16_attention_on_the_cpu_runs_in_float32():
+    """Under bf16 autocast (the update's ``optim.autocast=bf16``) and for bfloat16 inputs, the
+    layout's attention is float32 attention of the same inputs, in ``v``'s dtype, with
+    gradients; the CPU's bfloat16 kernel would give other numbers (and a ~4x slower backward)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from anchor_rl.models.shared_prefix import _attend
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 5, 8, generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(3, 1, 5, 5)
+    expected = sdpa(q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.3)
+    expected = expected.to(torch.bfloat16).transpose(1, 2).flatten(2)
+    in_bf16 = sdpa(q, k, v, attn_mask=allowed, scale=0.3).transpose(1, 2).flatten(2)
+    assert not torch.equal(in_bf16, expected)  # the check below can tell the two apart
+    assert torch.equal(_attend(q, k, v, allowed, 0.3), expected)
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _attend(leaves[0], leaves[1], leaves[2].to(torch.bfloat16), allowed, 0.3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in leaves)
