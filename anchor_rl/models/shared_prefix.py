@@ -30,6 +30,7 @@ model and no attention dropout while training (:func:`shared_prefix_unsupported`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -185,19 +186,15 @@ def _attend(
     its float32 one at the shapes of a GRPO step (``scripts/probe_attention.py``), and a
     float32 softmax is the more exact.
     """
-    device = q.device.type
-    if device == "cpu" and (torch.is_autocast_enabled(device) or v.dtype != torch.float32):
-        with torch.autocast(device, enabled=False):
-            out = scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )  # fmt: skip
-        out = out.to(v.dtype)
-    else:
+    device, dtype = q.device.type, v.dtype
+    upcast = device == "cpu" and (torch.is_autocast_enabled(device) or dtype != torch.float32)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    with torch.autocast(device, enabled=False) if upcast else nullcontext():
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    return out.transpose(1, 2).flatten(2)
+    return out.to(dtype).transpose(1, 2).flatten(2)
 
 
 def shared_prefix_logits(model: PreTrainedModel, layout: SharedPrefixLayout) -> torch.Tensor:
