@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from anchor_rl.models.packed import Linear, plain
+
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 """``model_type`` values whose decoder layers are plain Llama layers."""
 
@@ -41,6 +43,8 @@ def llama_unsupported(model: PreTrainedModel) -> str | None:
     attn = layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "its attention has no q/k/v/o projections"
+    if not all(hasattr(layers[0].mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return "its MLP is not a gated gate/up/down MLP"
     if (
         any(hasattr(attn, extra) for extra in ("q_norm", "k_norm", "sinks", "rotary_fn"))
         or getattr(config, "pretraining_tp", 1) != 1
@@ -58,21 +62,34 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def project(
-    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    linear: Linear = plain,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys and values of ``layer`` for ``hidden[..., H]``, heads split off:
     ``q[..., heads, D]`` and ``k``, ``v`` ``[..., kv_heads, D]``, ``q`` and ``k`` rotated by
-    ``cos``/``sin`` (``[..., 1, D]``, the positions' rotary tables)."""
+    ``cos``/``sin`` (``[..., 1, D]``, the positions' rotary tables). ``linear`` applies the
+    projections (:mod:`anchor_rl.models.packed`)."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     lead, d = x.shape[:-1], attn.head_dim
-    q = rotate(attn.q_proj(x).view(*lead, -1, d), cos, sin)
-    k = rotate(attn.k_proj(x).view(*lead, -1, d), cos, sin)
-    return q, k, attn.v_proj(x).view(*lead, -1, d)
+    q = rotate(linear(attn.q_proj, x).view(*lead, -1, d), cos, sin)
+    k = rotate(linear(attn.k_proj, x).view(*lead, -1, d), cos, sin)
+    return q, k, linear(attn.v_proj, x).view(*lead, -1, d)
 
 
-def finish(layer: torch.nn.Module, hidden: torch.Tensor, heads_out: torch.Tensor) -> torch.Tensor:
+def finish(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    heads_out: torch.Tensor,
+    linear: Linear = plain,
+) -> torch.Tensor:
     """The rest of ``layer`` after attention: the output projection of ``heads_out[..., heads
-    * D]`` added to ``hidden[..., H]``, then the MLP block with its residual."""
-    hidden = hidden + layer.self_attn.o_proj(heads_out)
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    * D]`` added to ``hidden[..., H]``, then the gated MLP block (``down(act(gate(x)) *
+    up(x))``, as the model's own) with its residual. ``linear`` applies the projections."""
+    hidden = hidden + linear(layer.self_attn.o_proj, heads_out)
+    mlp, x = layer.mlp, layer.post_attention_layernorm(hidden)
+    gated = mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x)
+    return hidden + linear(mlp.down_proj, gated)

@@ -40,6 +40,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import body, finish, llama_unsupported, project
+from anchor_rl.models.packed import linears_for
 from anchor_rl.models.padding import distinct_rows, left_pad, position_ids, token_cells
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
     cos_p, sin_p = cos_p[:, :, None], sin_p[:, :, None]  # [G, P, 1, D]: every head
     cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
     scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
+    linear = linears_for(inner, len(tokens))  # packed weights when no gradient is taken
 
     def grid(x: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The bucket's rows of ``x[N, heads, D]`` in its attention grid ``[R, heads, T, D]``."""
@@ -241,8 +243,8 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
         return cells.view(r, t, *x.shape[1:]).transpose(1, 2)
 
     for layer in inner.layers:
-        qp, kp, vp = (x.transpose(1, 2) for x in project(layer, prompts, cos_p, sin_p))
-        qr, kr, vr = project(layer, tokens, cos_r, sin_r)  # [N, heads | kv_heads, D]
+        qp, kp, vp = (x.transpose(1, 2) for x in project(layer, prompts, cos_p, sin_p, linear))
+        qr, kr, vr = project(layer, tokens, cos_r, sin_r, linear)  # [N, heads | kv_heads, D]
         prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
         response_out = []
         for bucket, allowed in zip(layout.buckets, response_allowed, strict=True):
@@ -250,7 +252,7 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
             values = torch.cat([vp[bucket.prompt_of], grid(vr, bucket)], 2)
             out = _attend(grid(qr, bucket), keys, values, allowed, scale)  # [R, T, heads * D]
             response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
-        prompts = finish(layer, prompts, prompt_out)
-        tokens = finish(layer, tokens, torch.cat(response_out))
+        prompts = finish(layer, prompts, prompt_out, linear)
+        tokens = finish(layer, tokens, torch.cat(response_out), linear)
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
     return inner.norm(states)

@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import finish, llama_unsupported, project
+from anchor_rl.models.packed import Linear, linears_for, plain
 from anchor_rl.models.padding import distinct_rows
 
 DecodeMode = Literal["auto", "static", "hf"]
@@ -148,6 +149,7 @@ class StaticDecoder:
         self.keep = torch.zeros(0, 0, dtype=torch.bool)
         self.rows = torch.zeros(0, dtype=torch.long)  # buffer row of each live row
         self.column = 0  # next column to write
+        self.linear: Linear = plain  # the turn's projections (packed weights, see prefill)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
@@ -155,6 +157,7 @@ class StaticDecoder:
         b, length = ids.shape
         width = length + budget
         device = ids.device
+        self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
         distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
@@ -238,7 +241,7 @@ class StaticDecoder:
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
         for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
-            q, k, v = project(layer, hidden, cos, sin)  # [B, n, heads | kv_heads, D]
+            q, k, v = project(layer, hidden, cos, sin, self.linear)  # [B, n, heads | kv, D]
             keys[..., start:end] = k.permute(0, 2, 3, 1)
             values[:, :, start:end] = v.transpose(1, 2)
             # batched matmuls on column slices of the buffers (no copy of the cache):
@@ -252,7 +255,8 @@ class StaticDecoder:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
             probs = probs.view(b * kv_heads, group * n, end)
             out = torch.bmm(probs, v_seen).view(b, heads, n, d)
-            hidden = finish(layer, hidden, out.transpose(1, 2).reshape(b, n, heads * d))
+            out = out.transpose(1, 2).reshape(b, n, heads * d)
+            hidden = finish(layer, hidden, out, self.linear)
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

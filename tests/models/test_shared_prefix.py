@@ -9,7 +9,8 @@ import torch
 from helpers import llama_variants, response_batch, scores_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from anchor_rl.models import scoring, shared_prefix
+from anchor_rl.models import packed, scoring, shared_prefix
+from anchor_rl.models.packed import PackedLinears, linears_for, plain
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
@@ -74,6 +75,30 @@ def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradient
     assert (a_logp[4] == 0).all() and (a_logp[1, 1:] == 0).all()  # no tokens, no log-probs
     for a, b in zip(a_grads, b_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_scoring_without_grad_packs_the_weights_and_gives_the_same_logprobs(name, monkeypatch):
+    """The reference's pass (no grad) runs the projections with packed weights (threshold
+    lowered to 1: these models' weights are below the real one); a pass with grad never."""
+    monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
+    chosen = []
+
+    def spy(inner, rows):
+        chosen.append(linears_for(inner, rows))
+        return chosen[-1]
+
+    monkeypatch.setattr(shared_prefix, "linears_for", spy)
+    model = MODELS[name].eval()
+    batch = make_batch([[5, 20, 21], [40, 41], [5, 20, 21]], [[11, 12, 13], [14], [15, 16]])
+    with torch.no_grad():
+        a_logp, a_ent = token_logprobs(model, batch, with_entropy=True, shared=True)
+        b_logp, b_ent = token_logprobs(model, batch, with_entropy=True, packed=False)
+    assert isinstance(chosen[-1], PackedLinears) and len(chosen[-1]) > 0
+    torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
+    token_logprobs(model, batch, shared=True)  # grad on
+    assert chosen[-1] is plain
 
 
 def test_a_batch_of_empty_responses_scores_to_zeros():

@@ -13,6 +13,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from anchor_rl.models import packed
+from anchor_rl.models.packed import PackedLinears
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.decoders import HFDecoder, StaticDecoder, decoder_for, static_unsupported
@@ -27,11 +29,16 @@ CONTEXTS = [[5, 20, 21, 30, 31, 32, 7], [40, 41], [9, 9, 60, 61, 62], [70, 71, 7
 REPEATED = [CONTEXTS[0], CONTEXTS[1], CONTEXTS[0], CONTEXTS[0]]  # two samples' prompts
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
-    name, contexts
+    name, contexts, pack, monkeypatch
 ) -> None:
+    """Also with every projection's weight packed for oneDNN (the threshold lowered to 1:
+    these models' weights are below the real one)."""
+    if pack:
+        monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
     model = MODELS[name].eval()
     ids, mask = left_pad(contexts, TOK.pad_token_id)
     pos = position_ids(mask)
@@ -45,6 +52,9 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
     with torch.no_grad():
         a = fast.prefill(ids, mask, pos, 8)
         hook.remove()
+        assert isinstance(fast.linear, PackedLinears) == pack
+        if pack:  # q, k, v, o, gate, up, down of every layer
+            assert len(fast.linear) == 7 * model.config.num_hidden_layers
         b = slow.prefill(ids, mask, pos, 8)
         assert embedded == [len({tuple(c) for c in contexts})]  # each context once
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
