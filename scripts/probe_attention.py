@@ -21,29 +21,15 @@ Prints JSON (and writes it to ``--out``).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
 from anchor_rl.models import shared_prefix
-
-
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _bf16_kernel(q, k, v, allowed, scale):
@@ -58,18 +44,8 @@ def scoring_times(spec: str, repeats: int, max_new_tokens: int = 80) -> dict[str
     """Seconds per scoring forward and backward of one step's batch under ``spec``."""
     from anchor_rl.models.scoring import token_logprobs
     from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import load_spec
-    from anchor_rl.tasks import get_task
-    from anchor_rl.trainer.collect import rollout_call
-    from anchor_rl.trainer.config import build_config
 
-    cfg = build_config(
-        {"preset": "grpo", "task": "arithmetic", "model": spec,
-         "rollout": {"max_new_tokens": max_new_tokens}}
-    )  # fmt: skip
-    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, "cpu", progress=False)
-    task = get_task("arithmetic")
-    call = rollout_call(task, task.records("train")[:8], range(8), cfg)
+    model, tokenizer, call = grpo_step_call(spec, max_new_tokens)
     batch = make_engine("hf", model, tokenizer).rollout(*call)
     model.train()
 
@@ -85,7 +61,7 @@ def scoring_times(spec: str, repeats: int, max_new_tokens: int = 80) -> dict[str
         shared_prefix.BUCKET_ROWS = bucket_rows
         shared_prefix._attend = attend or saved[1]
         try:
-            return _median_seconds(once, repeats)
+            return median_seconds(once, repeats)
         finally:
             shared_prefix.BUCKET_ROWS, shared_prefix._attend = saved
 
@@ -135,29 +111,19 @@ def decode_times(
             per_layer = {}
             for layout, transposed in (("keys [L, D]", False), ("keys [D, L]", True)):
                 step = partial(_decode_step, cache, q, seen, transposed)
-                per_layer[layout] = round(_median_seconds(step, repeats) / layers * 1e6, 1)
+                per_layer[layout] = round(median_seconds(step, repeats) / layers * 1e6, 1)
             out[f"{str(dtype).removeprefix('torch.')}, K={seen}"] = per_layer
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("specs", nargs="*", default=["sft:tiny", "random:small"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    result = {
-        "threads": 1,
-        "torch": torch.__version__,
-        "scoring": [scoring_times(spec, args.repeats) for spec in args.specs],
-        "decode": decode_times(max(args.repeats, 20)),
-    }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    probe_cli(
+        __doc__,
+        lambda args: {
+            "scoring": [scoring_times(spec, args.repeats) for spec in args.specs],
+            "decode": decode_times(max(args.repeats, 20)),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -18,21 +18,15 @@ import time
 
 import torch
 
+from anchor_rl.bench.throughput import grpo_step_call
 from anchor_rl.rollout import decoders
 from anchor_rl.rollout.engine import make_engine
-from anchor_rl.rollout.spec import load_spec
-from anchor_rl.tasks import get_task
-from anchor_rl.trainer.collect import rollout_call
-from anchor_rl.trainer.config import build_config
 
 
 def main(spec: str = "sft:tiny", rounds: str = "3") -> None:
     torch.set_num_threads(1)
-    cfg = build_config({"preset": "grpo", "task": "arithmetic", "model": spec})
-    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, "cpu", progress=False)
-    task = get_task("arithmetic")
+    model, tokenizer, call = grpo_step_call(spec)
     engine = make_engine("hf", model, tokenizer)
-    call = rollout_call(task, task.records("train")[:8], range(8), cfg)
     eager_layers = decoders.StaticDecoder._layers
     compiled_layers = torch.compile(eager_layers, dynamic=True)
 

@@ -20,17 +20,14 @@ Prints JSON (and writes it to ``--out``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
 from anchor_rl.models import packed
 
 SHAPES = {
@@ -38,16 +35,6 @@ SHAPES = {
     "small": [(64, 256, 1024), (25, 256, 1024), (25, 1024, 256), (25, 256, 256),
               (2809, 256, 1024), (2809, 1024, 256)],
 }  # fmt: skip
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def product_times(repeats: int, shapes: dict[str, list] = SHAPES) -> dict[str, Any]:
@@ -59,8 +46,8 @@ def product_times(repeats: int, shapes: dict[str, list] = SHAPES) -> dict[str, A
             for m, k, n in rows:
                 w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
                 w_packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                plain = _median(lambda w=w, x=x: F.linear(x, w), repeats)
-                fast = _median(
+                plain = median_seconds(lambda w=w, x=x: F.linear(x, w), repeats)
+                fast = median_seconds(
                     lambda w=w_packed, x=x: torch.ops.mkldnn._linear_pointwise(
                         x, w, None, "none", [], ""
                     ),
@@ -72,7 +59,7 @@ def product_times(repeats: int, shapes: dict[str, list] = SHAPES) -> dict[str, A
                     "ratio": round(plain / fast, 3),
                 }
         w = torch.randn(1024, 1024, dtype=dtype)
-        pack = _median(lambda w=w: torch.ops.mkldnn._reorder_linear_weight(w, 64), repeats)
+        pack = median_seconds(lambda w=w: torch.ops.mkldnn._reorder_linear_weight(w, 64), repeats)
         out[f"{name} packing, ms per million weights"] = round(pack * 1e3 / w.numel() * 1e6, 3)
     return out
 
@@ -81,18 +68,8 @@ def pass_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str, An
     """Median seconds of one step's rollout and reference scoring, packing off and on."""
     from anchor_rl.models.scoring import token_logprobs
     from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import load_spec
-    from anchor_rl.tasks import get_task
-    from anchor_rl.trainer.collect import rollout_call
-    from anchor_rl.trainer.config import build_config
 
-    cfg = build_config(
-        {"preset": "grpo", "task": "arithmetic", "model": spec,
-         "rollout": {"max_new_tokens": max_new_tokens}}
-    )  # fmt: skip
-    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, "cpu", progress=False)
-    task = get_task("arithmetic")
-    call = rollout_call(task, task.records("train")[:8], range(8), cfg)
+    model, tokenizer, call = grpo_step_call(spec, max_new_tokens)
     layers = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     packs = len(packed.PackedLinears(layers, 64))  # what the decoder and scoring pack
     result: dict[str, Any] = {"spec": spec, "packed_weights": packs}
@@ -116,7 +93,7 @@ def pass_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str, An
                 for name, fn in passes.items():
                     for setting, on in (("plain", False), ("packed", saved)):
                         packed.HAS_ONEDNN = on
-                        times[f"{name}, {setting}"].append(_median(fn, 1))
+                        times[f"{name}, {setting}"].append(median_seconds(fn, 1))
         finally:
             packed.HAS_ONEDNN = saved
         label = "fp32" if precision == "model" else "bf16 sampling"
@@ -126,25 +103,15 @@ def pass_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str, An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("specs", nargs="*", default=["sft:tiny", "random:small"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
     if not packed.HAS_ONEDNN:
         raise SystemExit("this PyTorch build has no oneDNN: nothing is packed")
-    torch.set_num_threads(1)
-    result = {
-        "threads": 1,
-        "torch": torch.__version__,
-        "products": product_times(max(args.repeats, 50)),
-        "passes": [pass_times(spec, args.repeats) for spec in args.specs],
-    }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    probe_cli(
+        __doc__,
+        lambda args: {
+            "products": product_times(max(args.repeats, 50)),
+            "passes": [pass_times(spec, args.repeats) for spec in args.specs],
+        },
+    )
 
 
 if __name__ == "__main__":

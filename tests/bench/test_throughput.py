@@ -89,3 +89,25 @@ def test_peak_fractions_by_hand(monkeypatch) -> None:
     assert out["rollout_peak_frac"] == pytest.approx(2 * 1e6 * 1000 / 1e9)  # 2.0
     assert out["update_peak_frac"] == pytest.approx(6 * 1e6 * 500 / 2e9)  # 1.5
     assert matmul_flops(8, 16, repeats=2) > 0
+
+
+def test_probe_cli_parses_measures_prints_and_writes(tmp_path, monkeypatch, capsys) -> None:
+    import sys
+
+    import torch
+
+    from anchor_rl.bench.throughput import probe_cli
+
+    out = tmp_path / "sub" / "probe.json"
+    argv = ["probe", "random:tiny", "--repeats", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        probe_cli("A probe.\n\nMore.", lambda a: {"specs": a.specs, "repeats": a.repeats})
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    written = json.loads(out.read_text())
+    assert written == json.loads(capsys.readouterr().out)
+    assert written["specs"] == ["random:tiny"] and written["repeats"] == 2
+    assert written["threads"] == 1 and written["torch"] == torch.__version__
