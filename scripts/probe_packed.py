@@ -87,15 +87,15 @@ def pass_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str, An
         times: dict[str, list[float]] = {
             f"{p}, {s}": [] for p in passes for s in ("plain", "packed")
         }
-        saved = packed.HAS_ONEDNN
+        saved = packed.ENABLED
         try:
             for _ in range(rounds):
                 for name, fn in passes.items():
                     for setting, on in (("plain", False), ("packed", saved)):
-                        packed.HAS_ONEDNN = on
+                        packed.ENABLED = on
                         times[f"{name}, {setting}"].append(median_seconds(fn, 1))
         finally:
-            packed.HAS_ONEDNN = saved
+            packed.ENABLED = saved
         label = "fp32" if precision == "model" else "bf16 sampling"
         result[label] = {k: round(statistics.median(v), 4) for k, v in times.items()}
     result["response_tokens"] = int(batch.attention_mask.sum())
@@ -103,8 +103,8 @@ def pass_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str, An
 
 
 def main() -> None:
-    if not packed.HAS_ONEDNN:
-        raise SystemExit("this PyTorch build has no oneDNN: nothing is packed")
+    if not packed.ENABLED:
+        raise SystemExit("packing is off: no oneDNN in this PyTorch build, or ANCHOR_RL_PACKED=off")
     probe_cli(
         __doc__,
         lambda args: {

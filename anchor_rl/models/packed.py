@@ -16,11 +16,13 @@ million weights, once per decoding turn or scoring pass (``scripts/probe_packed.
 The products are the same function; bfloat16 ones are bitwise equal to ``F.linear``'s
 (the same oneDNN kernel), float32 ones differ by the summation order (~1e-6 relative).
 Only weights on the CPU, in float32 or bfloat16, with grad off are packed; everything
-else goes through the module's own ``forward``.
+else goes through the module's own ``forward``. ``ANCHOR_RL_PACKED=off`` in the
+environment turns packing off (:data:`ENABLED`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,11 @@ def _has_onednn() -> bool:
 
 
 HAS_ONEDNN = _has_onednn()
+
+ENABLED = HAS_ONEDNN and os.environ.get("ANCHOR_RL_PACKED", "on").lower() not in ("0", "off")
+"""Whether no-grad passes pack their weights: on wherever PyTorch has oneDNN, unless the
+environment sets ``ANCHOR_RL_PACKED=off`` (the packs are a second copy of the packed
+weights while a turn or pass runs: mind it for a large model on a small machine)."""
 
 
 class PackedLinears:
@@ -97,7 +104,7 @@ def linears_for(model: nn.Module, rows: int) -> Linear:
     packed where :class:`PackedLinears` packs any, else :func:`plain`. With grad enabled
     (an update's forward) always :func:`plain`: the packed product has no backward; under
     CPU autocast (``optim.autocast=bf16``) too, as autocast does not cast for it."""
-    if not HAS_ONEDNN or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+    if not ENABLED or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return plain
     modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
     packed = PackedLinears(modules, rows)

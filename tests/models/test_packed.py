@@ -13,6 +13,12 @@ from anchor_rl.models.packed import PackedLinears, linears_for, plain
 pytestmark = pytest.mark.skipif(not packed.HAS_ONEDNN, reason="PyTorch built without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def packing_on(monkeypatch):
+    """On whatever ANCHOR_RL_PACKED says in the environment running the tests."""
+    monkeypatch.setattr(packed, "ENABLED", True)
+
+
 def layers(dtype: torch.dtype) -> list[nn.Linear]:
     torch.manual_seed(0)
     big = nn.Linear(256, 1024, bias=False)  # exactly PACK_MIN_ELEMENTS weights
@@ -59,7 +65,7 @@ def test_forwards_with_grad_and_small_models_are_not_packed(monkeypatch):
         assert len(PackedLinears([small.to(torch.float16)], 8)) == 0  # not a packed dtype
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 reference pass
             assert linears_for(model, 8) is plain
-        monkeypatch.setattr(packed, "HAS_ONEDNN", False)
+        monkeypatch.setattr(packed, "ENABLED", False)  # ANCHOR_RL_PACKED=off
         assert linears_for(model, 8) is plain
 
 
@@ -74,3 +80,15 @@ def test_packs_are_copies_of_the_weights_at_packing_time():
         big.weight.add_(1.0)
         torch.testing.assert_close(linear(big, x), before, rtol=0, atol=0)
         torch.testing.assert_close(PackedLinears([big], 4)(big, x), big(x), rtol=1e-5, atol=1e-4)
+
+
+def test_the_environment_turns_packing_off():
+    import os
+    import subprocess
+    import sys
+
+    code = "from anchor_rl.models import packed; print(packed.ENABLED)"
+    for value, expected in (("off", "False"), ("0", "False"), ("on", "True")):
+        env = {**os.environ, "ANCHOR_RL_PACKED": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.strip() == expected, out.stderr

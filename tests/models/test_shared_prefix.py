@@ -81,6 +81,7 @@ def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradient
 def test_scoring_without_grad_packs_the_weights_and_gives_the_same_logprobs(name, monkeypatch):
     """The reference's pass (no grad) runs the projections with packed weights (threshold
     lowered to 1: these models' weights are below the real one); a pass with grad never."""
+    monkeypatch.setattr(packed, "ENABLED", True)
     monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
     chosen = []
 

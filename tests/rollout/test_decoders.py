@@ -38,6 +38,7 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
     """Also with every projection's weight packed for oneDNN (the threshold lowered to 1:
     these models' weights are below the real one)."""
     if pack:
+        monkeypatch.setattr(packed, "ENABLED", True)
         monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
     model = MODELS[name].eval()
     ids, mask = left_pad(contexts, TOK.pad_token_id)
