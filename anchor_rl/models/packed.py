@@ -96,6 +96,7 @@ def _worth_packing(module: nn.Linear) -> bool:
         and w.dtype in PACKED_DTYPES
         and w.numel() >= PACK_MIN_ELEMENTS
         and (module.bias is None or module.bias.dtype == w.dtype)
+        and not (module._forward_hooks or module._forward_pre_hooks)  # they would be skipped
     )
 
 

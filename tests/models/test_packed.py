@@ -63,6 +63,9 @@ def test_forwards_with_grad_and_small_models_are_not_packed(monkeypatch):
         monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
         assert isinstance(linears_for(nn.Sequential(small), 8), PackedLinears)
         assert len(PackedLinears([small.to(torch.float16)], 8)) == 0  # not a packed dtype
+        hooked = nn.Linear(128, 128)
+        hooked.register_forward_hook(lambda _m, _args, out: out * 2)
+        assert len(PackedLinears([hooked], 8)) == 0  # its hook must run
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 reference pass
             assert linears_for(model, 8) is plain
         monkeypatch.setattr(packed, "ENABLED", False)  # ANCHOR_RL_PACKED=off
