@@ -10,11 +10,12 @@ left-padded contexts, then one ``step`` per generated token, dropping finished r
   so a turn's copying is quadratic in its length), and output objects are built.
 - :class:`StaticDecoder` runs the decoder layers of a Llama-architecture model (Llama,
   Mistral without a sliding window, Qwen2 without one) itself, on the model's own
-  modules and weights, with the keys and values written in place into buffers allocated
-  once per turn for the whole budget, and a boolean padding mask sliced to the current
-  column. Finished rows stay in the batch until fewer than three quarters of the rows
-  are live, then the buffers are compacted, so a turn copies its cache O(log B) times
-  instead of once per finished row. The prefill runs each distinct context once and
+  modules and weights, with the keys and values written in place into preallocated
+  buffers (grown a few columns at a time, so a step's reads stay compact), and a boolean
+  padding mask sliced to the current column. Finished rows stay in the batch until fewer
+  than three quarters of the rows are live, then the buffers are compacted, so a turn
+  copies its cache O(log B) times instead of once per finished row (and once per
+  ``GROW_COLUMNS`` steps to grow it). The prefill runs each distinct context once and
   copies its keys and values to the rows that share it (the n samples of a prompt).
 
 Both compute the same function; they differ in floating-point rounding only (the
@@ -121,16 +122,24 @@ def _bias(attend: torch.Tensor) -> torch.Tensor:
 class StaticDecoder:
     """A Llama-architecture model's decoder layers run with preallocated key/value buffers.
 
-    Buffers per layer: keys ``[B, H_kv, D, L + budget]`` (transposed, so the scores are a
-    batched matmul on a plain column slice: on the CPU, where a decode step's attention is
-    bound by reading the cache, bfloat16 keys read through a transposed view of ``[..., L,
-    D]`` buffers cost a copy of the view, ``scripts/probe_attention.py``) and values
-    ``[B, H_kv, L + budget, D]``, allocated at ``prefill``; a step past the budget is an
-    error.
+    Buffers per layer: keys ``[B, H_kv, D, W]`` (transposed, so the scores are a batched
+    matmul on a plain column slice: on the CPU, where a decode step's attention is bound by
+    reading the cache, bfloat16 keys read through a transposed view of ``[..., W, D]``
+    buffers cost a copy of the view, ``scripts/probe_attention.py``) and values ``[B, H_kv,
+    W, D]``. ``W`` starts at the context's length ``L`` plus :attr:`GROW_COLUMNS` and grows
+    by as many columns whenever the buffers fill, up to ``L + budget``: a step reads the
+    first ``K`` columns of every row, and rows much wider than ``K`` make that read strided
+    (on the CPU, a ``tiny`` step's attention over 28 of 92 columns took ~4x as long as over
+    28 of 36). A step past the budget is an error.
     """
 
     COMPACT_BELOW = 0.75
     """Compact the buffers once fewer than this share of their rows is live."""
+
+    GROW_COLUMNS = 8
+    """Columns of room the buffers get at a time (at prefill, and whenever they fill): on
+    the CPU, 4, 8 and 16 sample a GRPO step's rollout equally fast within noise, all
+    faster than room for the whole budget (``docs/results.md``)."""
 
     def __init__(self, model: PreTrainedModel):
         reason = static_unsupported(model)
@@ -155,7 +164,8 @@ class StaticDecoder:
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
     ) -> torch.Tensor:
         b, length = ids.shape
-        width = length + budget
+        limit = length + budget  # the keep mask's width; the buffers grow towards it
+        width = min(limit, length + self.GROW_COLUMNS)
         device = ids.device
         self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
         # a context that several rows share (n samples of one prompt) is run once, and its
@@ -163,7 +173,7 @@ class StaticDecoder:
         distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
         shared = len(distinct) < b
         self.keys, self.values = self._buffers(len(distinct), length if shared else width, device)
-        self.keep = torch.zeros((len(distinct), width), dtype=torch.bool, device=device)
+        self.keep = torch.zeros((len(distinct), limit), dtype=torch.bool, device=device)
         self.keep[:, :length] = mask[distinct].bool()
         # causal and padding mask; a padding query attends to itself so no row is empty
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -206,6 +216,8 @@ class StaticDecoder:
             raise RuntimeError(
                 f"the static cache is full ({column} columns): a step past the budget"
             )
+        if column >= self.values[0].shape[2]:  # the buffers are full: room for more columns
+            self._rebuffer(None, min(self.keep.shape[1], column + self.GROW_COLUMNS))
         if len(self.rows) < self.keep.shape[0]:  # finished rows still in the buffers
             full = torch.zeros(self.keep.shape[0], dtype=tokens.dtype, device=tokens.device)
             tokens = full.index_copy(0, self.rows, tokens)
@@ -223,10 +235,21 @@ class StaticDecoder:
         self.rows = self.rows[index.to(self.rows.device)]
         if len(self.rows) >= self.COMPACT_BELOW * self.keep.shape[0]:
             return
-        self.keys = [k[self.rows] for k in self.keys]
-        self.values = [v[self.rows] for v in self.values]
+        self._rebuffer(self.rows, self.values[0].shape[2])
         self.keep = self.keep[self.rows]
         self.rows = torch.arange(len(self.rows), device=self.rows.device)
+
+    def _rebuffer(self, rows: torch.Tensor | None, width: int) -> None:
+        """New buffers ``width`` columns wide holding the written columns of ``rows`` (all
+        rows when None): compaction and growth copy only what the steps have written."""
+        n, written = len(self.keep) if rows is None else len(rows), self.column
+        pick = slice(None) if rows is None else rows
+        keys, values = self._buffers(n, width, self.keep.device)
+        for new, old in zip(keys, self.keys, strict=True):
+            new[..., :written] = old[..., :written][pick]
+        for new, old in zip(values, self.values, strict=True):
+            new[:, :, :written] = old[:, :, :written][pick]
+        self.keys, self.values = keys, values
 
     def _layers(
         self, hidden: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, start: int, n: int

@@ -29,14 +29,19 @@ CONTEXTS = [[5, 20, 21, 30, 31, 32, 7], [40, 41], [9, 9, 60, 61, 62], [70, 71, 7
 REPEATED = [CONTEXTS[0], CONTEXTS[1], CONTEXTS[0], CONTEXTS[0]]  # two samples' prompts
 
 
+@pytest.mark.parametrize("grow", [16, 2], ids=["room", "growing"])  # budget: 8 steps
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
-    name, contexts, pack, monkeypatch
+    name, contexts, pack, grow, monkeypatch
 ) -> None:
     """Also with every projection's weight packed for oneDNN (the threshold lowered to 1:
-    these models' weights are below the real one)."""
+    these models' weights are below the real one), and with buffers that start with room
+    for all 8 steps (16) or grow 2 columns at a time (before, between and after the
+    compactions)."""
+    monkeypatch.setattr(StaticDecoder, "GROW_COLUMNS", grow)
+    widths = []  # the buffers' width at each step
     if pack:
         monkeypatch.setattr(packed, "ENABLED", True)
         monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
@@ -69,8 +74,14 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
             pos = pos + 1
             tokens = torch.tensor(tokens)
             a, b = fast.step(tokens, pos), slow.step(tokens, pos)
+            widths.append(fast.values[0].shape[2])
             assert a.shape == b.shape == (len(tokens), model.config.vocab_size)
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    length = ids.shape[1]
+    if grow == 2:  # 2 columns of room, then 2 more each time the buffers fill
+        assert widths == [length + 2, length + 2, length + 4, length + 4, length + 6]
+    else:  # room for the whole budget of 8 from the start
+        assert widths == [length + 8] * 5
 
 
 def test_generate_turn_samples_the_same_tokens_with_either_decoder() -> None:
