@@ -182,17 +182,12 @@ class StaticDecoder:
         embedded = self.inner.embed_tokens(ids[distinct])
         hidden = self._layers(embedded, pos[distinct], _bias(attend[:, None]), 0, length)
         logits = self._logits(hidden[:, -1:, :])
-        if shared:  # every row its own buffers, with room for the budget
+        self.column = length
+        if shared:  # every row its own buffers, with room to grow
             rows = torch.as_tensor(copy_of, device=device)
-            keys, values = self._buffers(b, width, device)
-            for full, part in zip(keys, self.keys, strict=True):
-                full[..., :length] = part[rows]
-            for full, part in zip(values, self.values, strict=True):
-                full[:, :, :length] = part[rows]
-            self.keys, self.values = keys, values
+            self._rebuffer(rows, width)
             self.keep, logits = self.keep[rows], logits[rows]
         self.rows = torch.arange(b, device=device)
-        self.column = length
         return logits
 
     def _buffers(
