@@ -16,7 +16,10 @@ is a warm-up and is left out when there are more):
 The models are random inits (``random:SIZE``, no SFT run needed for the larger sizes): their
 responses end at a random stop or eos token or at the budget, about half the budget on
 average at every size, so the sizes generate similar token counts. On the CPU all sizes run;
-on another device (``--device cuda``) only the largest.
+on another device (``--device cuda``) only the largest. ``model=SPEC`` among the overrides
+measures that one model instead (a Hugging Face model directory, ``random:base``...): its row
+is named after the spec (a directory by its name) and its parameters and hidden width are
+read from its config.
 
 On the CPU, ``tiny`` and ``small`` also run in the cluster layouts (:data:`LAYOUTS`): one
 process with one thread, 1 and 2 Ray rollout workers of one thread each, 2 learner ranks of
@@ -39,7 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -67,7 +71,11 @@ class Layout:
 
 
 def _cluster(
-    workers: int = 0, learners: int = 1, async_steps: int = 0, sharding: str = "replicate"
+    workers: int = 0,
+    learners: int = 1,
+    async_steps: int = 0,
+    sharding: str = "replicate",
+    gpu_share: float = 0.0,
 ) -> dict[str, Any]:
     cluster: dict[str, Any] = {"rollout_workers": workers, "learners": learners}
     if async_steps:
@@ -76,7 +84,10 @@ def _cluster(
         cluster["learner_sharding"] = sharding
     table: dict[str, Any] = {"cluster": cluster}
     if workers:
-        table["rollout"] = {"engine_args": {"threads_per_worker": 1, "num_cpus_per_worker": 1}}
+        engine_args: dict[str, Any] = {"threads_per_worker": 1, "num_cpus_per_worker": 1}
+        if gpu_share:
+            engine_args["num_gpus_per_worker"] = gpu_share
+        table["rollout"] = {"engine_args": engine_args}
     if learners > 1:
         cluster["threads_per_learner"] = 1
     return table
@@ -98,6 +109,9 @@ LAYOUTS: dict[str, Layout] = {
         {"optim": {"autocast": "bf16"}, "rollout": {"engine_args": {"precision": "bf16"}}},
     ),
     "t1n": Layout("1 process, 1 thread, no shared prefix", 1, {"optim": {"shared_prefix": "off"}}),
+    # GPU layouts: Ray rollout workers sampling on a share of the learner's GPU
+    "g1": Layout("1 GPU rollout worker", None, _cluster(workers=1, gpu_share=0.4)),
+    "g2": Layout("2 GPU rollout workers", None, _cluster(workers=2, gpu_share=0.4)),
     "t1p": Layout(
         "1 process, 1 thread, plain",
         1,
@@ -107,7 +121,9 @@ LAYOUTS: dict[str, Layout] = {
 """The layouts by key (the key suffixes the size in the run's label: ``grpo+tiny-w2``); the
 one-process layout at the process's threads has the empty key (label ``grpo+tiny``)."""
 CLUSTER_SIZES = ("tiny", "small")
-"""The sizes measured in every layout on the CPU (the others in one process only)."""
+"""The sizes measured in every CPU layout on the CPU (the others in one process only)."""
+GPU_LAYOUTS = ("g1", "g2")
+"""Layouts that need a GPU (never among the CPU's defaults; chosen by name on a GPU)."""
 
 
 def _variant(size: str, layout: str) -> str:
@@ -128,9 +144,15 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def throughput_suite(sizes: Sequence[str] = SIZE_ORDER) -> Suite:
+def throughput_suite(
+    models: Mapping[str, str] | None = None, variants: Collection[str] | None = None
+) -> Suite:
     """The suite: ``grpo`` at the trainer's default scale (8 prompts x 8 responses, 80 new
-    tokens), 3 steps, one variant per size; profile ``quick`` is a 1-step smoke run."""
+    tokens), 3 steps, one variant per model and layout; profile ``quick`` is a 1-step smoke
+    run. ``models``: row name -> model spec (default: ``random:SIZE`` for every size);
+    ``variants``: the variant labels kept (default: all)."""
+    if models is None:
+        models = {size: f"random:{size}" for size in SIZE_ORDER}
     return Suite(
         name="throughput",
         description="tokens per second and stage shares of the built-in sizes",
@@ -145,9 +167,10 @@ def throughput_suite(sizes: Sequence[str] = SIZE_ORDER) -> Suite:
             "log": {"tensorboard": False, "progress": True},
         },
         variants={
-            _variant(size, key): {"model": f"random:{size}", **layout.settings}
-            for size in sizes
+            _variant(name, key): {"model": spec, **layout.settings}
+            for name, spec in models.items()
             for key, layout in LAYOUTS.items()
+            if variants is None or _variant(name, key) in variants
         },
         profiles={
             "quick": {
@@ -170,7 +193,7 @@ def default_layouts(device: str, size: str, profile: str | None = None) -> tuple
     """The layout keys of ``size``: all of them for :data:`CLUSTER_SIZES` on the CPU, else
     the one process (and only that in the quick profile)."""
     if device == "cpu" and profile != "quick" and size in CLUSTER_SIZES:
-        return tuple(LAYOUTS)
+        return tuple(k for k in LAYOUTS if k not in GPU_LAYOUTS)
     return ("",)
 
 
@@ -207,16 +230,18 @@ def stage_figures(
     return out
 
 
-def matmul_flops(rows: int, hidden: int, device: str = "cpu", repeats: int = 10) -> float:
-    """Measured float32 FLOP/s of a ``[rows, hidden] @ [hidden, hidden]`` matmul on ``device``
-    at the current thread count: the best of ``repeats`` timed calls after a warm-up
-    (2 * rows * hidden^2 FLOPs each)."""
+def matmul_flops(
+    rows: int, hidden: int, device: str = "cpu", repeats: int = 10, dtype: str = "float32"
+) -> float:
+    """Measured FLOP/s of a ``[rows, hidden] @ [hidden, hidden]`` matmul in ``dtype``
+    (``float32``, ``bfloat16``) on ``device`` at the current thread count: the best of
+    ``repeats`` timed calls after a warm-up (2 * rows * hidden^2 FLOPs each)."""
     import time
 
     import torch
 
-    a = torch.randn(rows, hidden, device=device)
-    b = torch.randn(hidden, hidden, device=device)
+    a = torch.randn(rows, hidden, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(hidden, hidden, device=device, dtype=getattr(torch, dtype))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     best = float("inf")
     for i in range(repeats + 1):
@@ -231,7 +256,12 @@ def matmul_flops(rows: int, hidden: int, device: str = "cpu", repeats: int = 10)
 
 
 def peak_fractions(
-    figures: Mapping[str, float], parameters: int, hidden: int, batch: int, device: str = "cpu"
+    figures: Mapping[str, float],
+    parameters: int,
+    hidden: int,
+    batch: int,
+    device: str = "cpu",
+    dtypes: tuple[str, str] = ("float32", "float32"),
 ) -> dict[str, float]:
     """How close a run comes to the machine's matmul speed at its own shapes.
 
@@ -240,10 +270,13 @@ def peak_fractions(
     ``rollout_peak_frac`` = 2 * parameters * rollout tokens/s over the first,
     ``update_peak_frac`` = 6 * parameters * update tokens/s over the second (forward and
     backward, the policy's tokens only: prompts and the old and reference passes are work
-    the figure does not credit, so it is a lower bound).
+    the figure does not credit, so it is a lower bound). ``dtypes``: the matmuls' dtype
+    when sampling and when updating (``bfloat16`` for bf16 sampling or autocast).
     """
-    decode = matmul_flops(batch, hidden, device)
-    update = matmul_flops(max(1, round(figures["tokens_per_step"])), hidden, device)
+    decode = matmul_flops(batch, hidden, device, dtype=dtypes[0])
+    update = matmul_flops(
+        max(1, round(figures["tokens_per_step"])), hidden, device, dtype=dtypes[1]
+    )
     out = {
         "matmul_flops_decode": decode,
         "matmul_flops_update": update,
@@ -254,8 +287,19 @@ def peak_fractions(
     return out
 
 
-def grpo_step_call(spec: str, max_new_tokens: int = 80, prompts: int = 8) -> tuple[Any, ...]:
-    """``(model, tokenizer, call)`` for timing one ``grpo`` step's rollout on the CPU: the
+def matmul_dtypes(cfg: Any) -> tuple[str, str]:
+    """The dtype of a run's matmuls when sampling and when updating: ``bfloat16`` under
+    ``rollout.engine_args.precision=bf16`` and ``optim.autocast=bf16``, else ``float32``
+    (the models' own dtype: the suite's are float32 inits)."""
+    bf16 = "bfloat16"
+    sampling = bf16 if cfg.rollout.engine_args.get("precision") == "bf16" else "float32"
+    return sampling, bf16 if cfg.optim.autocast == "bf16" else "float32"
+
+
+def grpo_step_call(
+    spec: str, max_new_tokens: int = 80, prompts: int = 8, device: str = "cpu"
+) -> tuple[Any, ...]:
+    """``(model, tokenizer, call)`` for timing one ``grpo`` step's rollout on ``device``: the
     model of ``spec`` (e.g. ``sft:tiny``, ``random:small``) and the arguments of
     ``engine.rollout(*call)`` for the first ``prompts`` arithmetic training prompts, 8
     responses each, T = 1, at most ``max_new_tokens`` new tokens (the TRL comparison's
@@ -269,7 +313,7 @@ def grpo_step_call(spec: str, max_new_tokens: int = 80, prompts: int = 8) -> tup
         {"preset": "grpo", "task": "arithmetic", "model": spec,
          "rollout": {"max_new_tokens": max_new_tokens}}
     )  # fmt: skip
-    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, "cpu", progress=False)
+    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, device, progress=False)
     task = get_task("arithmetic")
     call = rollout_call(task, task.records("train")[:prompts], range(prompts), cfg)
     return model, tokenizer, call
@@ -313,6 +357,32 @@ def hidden_size(size: str) -> int:
     from anchor_rl.models.factory import SIZES
 
     return int(SIZES[size]["hidden_size"])
+
+
+def model_name(spec: str) -> str:
+    """A row and run-directory name for a model spec: a directory's own name, else the spec
+    with anything but letters, digits, ``.`` and ``_`` made ``_`` (``random:base`` ->
+    ``random_base``)."""
+    name = Path(spec).name if (Path(spec) / "config.json").is_file() else spec
+    return re.sub(r"[^A-Za-z0-9_.]", "_", name)
+
+
+def model_shape(spec: str) -> tuple[int, int]:
+    """``(parameters, hidden width)`` of a model spec: a built-in size's (``random:SIZE``,
+    ``sft:SIZE``, ``teacher:SIZE``) or a Hugging Face directory's, read from its config and
+    counted on the meta device (no weights loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anchor_rl.models.factory import SIZES
+
+    kind, _, size = spec.partition(":")
+    if kind in {"random", "sft", "teacher"} and size in SIZES:
+        return parameter_count(size), hidden_size(size)
+    config = AutoConfig.from_pretrained(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()), int(config.hidden_size)
 
 
 def parameter_count(size: str) -> int:
@@ -373,21 +443,34 @@ def run_throughput_suite(
     "summary_md", "plots"}`` paths.
     """
     out, seeds, steps, overrides, profile, echo = args.unpack()
+    from anchor_rl.trainer.config import parse_override
     from anchor_rl.trainer.logging import read_metrics
 
-    specs = plan(throughput_suite(), out, seeds, steps, overrides, profile)
-    device = specs[0].config.device
-    wanted = tuple(sizes) if sizes is not None else default_sizes(device, profile)
-    unknown = set(wanted) - set(SIZE_ORDER)
-    if unknown:
-        raise ValueError(f"unknown sizes {sorted(unknown)}; sizes: {', '.join(SIZE_ORDER)}")
+    # ``model=SPEC`` names the one model measured (a row of its own), not every variant's
+    cli = dict(parse_override(o) for o in overrides)
+    settings = [o for o in overrides if parse_override(o)[0] != "model"]
+    device = str(cli.get("device", "cpu"))
+    if "model" in cli:
+        if sizes is not None:
+            raise ValueError("give either sizes or a model=SPEC override, not both")
+        models = {model_name(str(cli["model"])): str(cli["model"])}
+    else:
+        wanted = tuple(sizes) if sizes is not None else default_sizes(device, profile)
+        unknown = set(wanted) - set(SIZE_ORDER)
+        if unknown:
+            raise ValueError(f"unknown sizes {sorted(unknown)}; sizes: {', '.join(SIZE_ORDER)}")
+        models = {size: f"random:{size}" for size in wanted}
     if layouts is not None and (bad := set(layouts) - set(LAYOUTS)):
         raise ValueError(f"unknown layouts {sorted(bad)}; layouts: {', '.join(map(repr, LAYOUTS))}")
     chosen = {
         _variant(size, key): (size, key)
-        for size in wanted
+        for size in models
         for key in (layouts if layouts is not None else default_layouts(device, size, profile))
     }
+    # only the chosen runs are planned (a layout another device cannot run is not validated)
+    specs = plan(throughput_suite(models, chosen), out, seeds, steps, settings, profile)
+    device = specs[0].config.device
+    wanted = tuple(models)
     specs = [s for s in specs if s.label.split("+")[1] in chosen]
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -395,15 +478,18 @@ def run_throughput_suite(
         size, key = chosen[spec.label.split("+")[1]]
         layout = LAYOUTS[key]
         echo(f"[{i}/{len(specs)}] {size}, {layout.name}, seed {spec.seed} -> {spec.run_dir}")
-        parameters = parameter_count(size)
+        parameters, hidden = model_shape(models[size])
         with _threads(layout.threads):
             run_spec(spec)
             figures = stage_figures(read_metrics(spec.run_dir))
             batch = spec.config.rollout.prompts_per_step * spec.config.rollout.n
-            figures |= peak_fractions(figures, parameters, hidden_size(size), batch, device)
+            figures |= peak_fractions(
+                figures, parameters, hidden, batch, device, matmul_dtypes(spec.config)
+            )
         rows.append(
             {
                 "size": size,
+                "model": models[size],
                 "layout": layout.name,
                 "driver_threads": layout.threads,
                 "seed": spec.seed,
@@ -430,6 +516,7 @@ def run_throughput_suite(
             "n": cfg.rollout.n,
             "max_new_tokens": cfg.rollout.max_new_tokens,
             "kl_coef": cfg.kl.coef,
+            "matmul_dtypes": dict(zip(("rollout", "update"), matmul_dtypes(cfg), strict=True)),
         },
         "rows": rows,
     }
@@ -455,13 +542,16 @@ def markdown(payload: Mapping[str, Any]) -> str:
         f"thread(s), torch {host['versions']['torch']}. Preset `{s['preset']}` on "
         f"`{s['task']}`: {s['prompts_per_step']} prompts x {s['n']} responses per step, at most "
         f"{s['max_new_tokens']} new tokens, KL beta {s['kl_coef']:g} (a reference forward pass "
-        f"per step); random-init models; {s['steps']} steps, the first "
+        f"per step); models: {', '.join(sorted({r.get('model', 'random init') for r in payload['rows']}))}; "
+        f"{s['steps']} steps, the first "
         f"{s['warmup_steps_excluded']} left out as warm-up.",
         "",
         "Rollout tokens/s: policy tokens / seconds generating. Update tokens/s: the same tokens "
         "/ seconds in log-probs (old and reference policy), advantage and the optimizer step. "
         "Shares are of the whole step. Of peak: 2 x parameters x rollout tokens/s (6 x for the "
-        "update) over this machine's measured float32 matmul FLOP/s at the run's own shapes "
+        "update) over this machine's measured matmul FLOP/s at the run's own shapes, dtype "
+        f"({s.get('matmul_dtypes', {}).get('rollout', 'float32')} sampling, "
+        f"{s.get('matmul_dtypes', {}).get('update', 'float32')} update) "
         "and thread count (a decode step's rows; the step's policy tokens).",
         "",
         "| size | layout | parameters | tokens/step | rollout tok/s | update tok/s | s/step "

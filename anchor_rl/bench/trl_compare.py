@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import resource
 import shutil
 import sys
@@ -329,6 +330,19 @@ def peak_rss_mb() -> float:
 # --- the suite ---------------------------------------------------------------------------
 
 
+JAX_SETTINGS = {"JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+"""What :func:`keep_jax_off_the_gpu` sets where the environment does not say otherwise."""
+
+
+def keep_jax_off_the_gpu() -> None:
+    """Keep JAX, if an import of the comparison's processes loads it, off the GPU: on an
+    H200 with JAX installed, a process of this suite held 75% of the GPU's memory (JAX's
+    default preallocation) and both trainers ran out of memory. Nothing here uses JAX; the
+    runs' processes inherit the setting. A variable the environment sets wins."""
+    for name, value in JAX_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
 def run_trl_suite(
     args: BenchArgs,
 ) -> dict[str, Any]:
@@ -340,6 +354,7 @@ def run_trl_suite(
     """
     out, seeds, steps, overrides, profile, echo = args.unpack()
     require_trl()
+    keep_jax_off_the_gpu()
     specs = plan(TRL_SUITE, out, seeds, steps, overrides, profile)
     for spec in specs:
         grpo_config_kwargs(spec.config, "")  # fail before any run
@@ -613,6 +628,7 @@ def _evaluate_seed(spec: RunSpec, out: Path, results: dict[str, list[dict[str, A
 
 FIGURES: dict[str, str] = {
     "s_per_step": "seconds per step (mean over steps)",
+    "s_per_step_warm": "seconds per step after the first (mean; the first warms caches up)",
     "tokens_per_s": "generated tokens per second of training",
     "tokens_per_step": "generated tokens per step",
     "rss_peak_mb": "peak resident memory of the process (MiB)",
@@ -626,10 +642,17 @@ FIGURES: dict[str, str] = {
 
 def figure_digits(key: str) -> int:
     """Decimals a figure is shown with: accuracies and rewards 3, seconds 2, counts 0."""
-    return 3 if key.startswith(("eval", "reward")) else 2 if key == "s_per_step" else 0
+    return 3 if key.startswith(("eval", "reward")) else 2 if key.startswith("s_per_step") else 0
 
 
-RATIOS = ("s_per_step", "tokens_per_s", "tokens_per_step", "rss_peak_mb", "cuda_peak_mb")
+RATIOS = (
+    "s_per_step",
+    "s_per_step_warm",
+    "tokens_per_s",
+    "tokens_per_step",
+    "rss_peak_mb",
+    "cuda_peak_mb",
+)
 
 
 def run_figures(result: dict[str, Any]) -> dict[str, float]:
@@ -649,6 +672,8 @@ def run_figures(result: dict[str, Any]) -> dict[str, float]:
         "rss_before_mb": memory["rss_before_mb"],
         "reward_last": sum(s["reward"] for s in tail) / len(tail),
     }
+    if len(steps) > 1:
+        out["s_per_step_warm"] = sum(s["seconds"] for s in steps[1:]) / (len(steps) - 1)
     if memory.get("cuda_peak_mb") is not None:
         out["cuda_peak_mb"] = memory["cuda_peak_mb"]
     if "eval" in result:

@@ -25,17 +25,21 @@ Layout (:class:`SharedPrefixLayout`, built on the CPU):
 
 Attention is PyTorch's ``scaled_dot_product_attention`` with a boolean mask; the layers are
 the model's own modules (:mod:`anchor_rl.models.llama`), so this needs a Llama-architecture
-model and no attention dropout while training (:func:`shared_prefix_unsupported`).
+model and no attention dropout while training (:func:`shared_prefix_unsupported`). On CUDA
+the cuDNN attention backend is left out (:data:`SDPA_CUDNN`): it builds an execution plan
+for every new shape, and the buckets give new shapes at every step.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
@@ -176,6 +180,24 @@ class SharedPrefixLayout:
         return SharedPrefixLayout(**moved)
 
 
+SDPA_CUDNN = os.environ.get("ANCHOR_RL_SDPA_CUDNN", "off").lower() in ("1", "on")
+"""Whether this module's attention may use cuDNN's backend on CUDA (off unless the
+environment sets ``ANCHOR_RL_SDPA_CUDNN=on``). PyTorch may pick cuDNN for bfloat16 on
+Hopper GPUs, and cuDNN builds an execution plan for each new shape (hundreds of ms each);
+the buckets' shapes change from step to step. On an H200 the bf16 update took 0.4-0.7 s
+with stalls of 2.4-8 s where the float32 one took 0.12 s (docs/results.md, "On a GPU");
+that cuDNN is the cause is what this switch lets the next GPU run measure."""
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: str) -> AbstractContextManager:
+    """The SDPA backends this module's attention may use on ``device`` (a device type):
+    on CUDA all but cuDNN's unless :data:`SDPA_CUDNN`; elsewhere PyTorch's choice."""
+    if device == "cuda" and not SDPA_CUDNN:
+        return sdpa_kernel(_CUDA_BACKENDS)
+    return nullcontext()
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -191,7 +213,7 @@ def _attend(
     upcast = device == "cpu" and (torch.is_autocast_enabled(device) or dtype != torch.float32)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    with torch.autocast(device, enabled=False) if upcast else nullcontext():
+    with torch.autocast(device, enabled=False) if upcast else nullcontext(), sdpa_backends(device):
         out = scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )

@@ -78,17 +78,83 @@ def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
 def test_peak_fractions_by_hand(monkeypatch) -> None:
     shapes = []
 
-    def fake_flops(rows, hidden, device="cpu", repeats=10):
-        shapes.append((rows, hidden))
+    def fake_flops(rows, hidden, device="cpu", repeats=10, dtype="float32"):
+        shapes.append((rows, hidden, dtype))
         return 1e9 if rows == 64 else 2e9
 
     monkeypatch.setattr(throughput, "matmul_flops", fake_flops)
     figures = {"tokens_per_step": 1800.4, "rollout_tok_s": 1000.0, "update_tok_s": 500.0}
     out = peak_fractions(figures, parameters=1_000_000, hidden=128, batch=64)
-    assert shapes == [(64, 128), (1800, 128)]  # a decode step's rows, then the step's tokens
+    # a decode step's rows, then the step's tokens; float32 unless told
+    assert shapes == [(64, 128, "float32"), (1800, 128, "float32")]
     assert out["rollout_peak_frac"] == pytest.approx(2 * 1e6 * 1000 / 1e9)  # 2.0
     assert out["update_peak_frac"] == pytest.approx(6 * 1e6 * 500 / 2e9)  # 1.5
+    shapes.clear()
+    peak_fractions(figures, 1_000_000, 128, 64, dtypes=("bfloat16", "float32"))
+    assert [s[2] for s in shapes] == ["bfloat16", "float32"]
     assert matmul_flops(8, 16, repeats=2) > 0
+    assert matmul_flops(8, 16, repeats=2, dtype="bfloat16") > 0
+
+
+def test_matmul_dtypes_follow_the_precision_settings() -> None:
+    from anchor_rl.bench.throughput import matmul_dtypes
+    from anchor_rl.trainer.config import build_config
+
+    def dtypes(**table):
+        return matmul_dtypes(build_config({"preset": "grpo", **table}))
+
+    assert dtypes() == ("float32", "float32")
+    assert dtypes(optim={"autocast": "bf16"}) == ("float32", "bfloat16")
+    bf16 = {"optim": {"autocast": "bf16"}, "rollout": {"engine_args": {"precision": "bf16"}}}
+    assert dtypes(**bf16) == ("bfloat16", "bfloat16")
+
+
+def test_a_model_directory_is_measured_as_its_own_row(tmp_path) -> None:
+    """``model=DIR``: one row named after the directory, its parameters from its config."""
+    from anchor_rl.bench.runner import BenchArgs
+    from anchor_rl.bench.throughput import model_name, model_shape, run_throughput_suite
+    from anchor_rl.models.loading import save_policy
+
+    tokenizer = build_tokenizer()
+    model = build_model("tiny", tokenizer, seed=3)
+    model_dir = save_policy(model, tokenizer, tmp_path / "my-model+v2")
+    assert model_name(str(model_dir)) == "my_model_v2"  # "+" would split the run label
+    assert model_name("random:base") == "random_base"
+    assert model_shape(str(model_dir)) == (num_parameters(model), 128)
+    assert model_shape("sft:small") == (parameter_count("small"), 256)
+    out = tmp_path / "tp"
+    overrides = [f"model={model_dir}"]
+    result = run_throughput_suite(
+        BenchArgs(out, profile="quick", overrides=overrides, echo=lambda _: None)
+    )
+    payload = json.loads(result["summary_json"].read_text())
+    (row,) = payload["rows"]
+    assert row["size"] == "my_model_v2" and row["model"] == str(model_dir)
+    assert row["parameters"] == num_parameters(model) and row["figures"]["update_tok_s"] > 0
+    assert f"model={model_dir}" in payload["command"]
+    config = json.loads((out / "grpo+my_model_v2" / "seed0" / "config.json").read_text())
+    assert config["model"] == str(model_dir)
+    with pytest.raises(ValueError, match="either sizes or a model"):
+        run_throughput_suite(BenchArgs(out, overrides=overrides), sizes=["tiny"])
+
+
+def test_only_the_chosen_layouts_are_planned() -> None:
+    """Planning validates only the runs it will make: on CUDA the CPU-only layouts (2 gloo
+    learners) are not among them, so they cannot fail the plan."""
+    from pathlib import Path
+
+    from anchor_rl.bench.runner import plan
+    from anchor_rl.bench.throughput import throughput_suite
+    from anchor_rl.trainer.config import ConfigError
+
+    whole = throughput_suite({"base": "random:base"})
+    with pytest.raises(ConfigError, match="cluster.learners > 1 on device=cuda"):
+        plan(whole, Path("unused"), overrides=["device=cuda"])
+    chosen = throughput_suite({"base": "random:base"}, {"base", "base-g2"})
+    specs = plan(chosen, Path("unused"), overrides=["device=cuda"])
+    assert sorted(s.label for s in specs) == ["grpo+base", "grpo+base-g2"]
+    g2 = next(s for s in specs if s.label == "grpo+base-g2").config
+    assert g2.cluster.rollout_workers == 2 and g2.rollout.engine_args["num_gpus_per_worker"] > 0
 
 
 def test_probe_cli_parses_measures_prints_and_writes(tmp_path, monkeypatch, capsys) -> None:

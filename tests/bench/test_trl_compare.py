@@ -4,6 +4,7 @@ figures, and (when TRL is installed) a 1-step run of both trainers."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -151,6 +152,8 @@ def test_figures_and_ratios_by_hand() -> None:
     ours = _result([1.0, 3.0], [10.0, 30.0], [0.0, 0.5], 500.0, final=0.5)
     f = run_figures(ours)
     assert f["s_per_step"] == 2.0 and f["tokens_per_s"] == 10.0 and f["tokens_per_step"] == 20.0
+    assert f["s_per_step_warm"] == 3.0  # the steps after the first
+    assert "s_per_step_warm" not in run_figures(_result([1.0], [10.0], [0.0], 500.0))
     assert f["reward_last"] == 0.5 and f["rss_peak_mb"] == 500.0 and f["rss_before_mb"] == 400.0
     assert f["eval_start"] == 0.25 and f["eval_final"] == 0.5 and "cuda_peak_mb" not in f
     theirs = [
@@ -163,6 +166,7 @@ def test_figures_and_ratios_by_hand() -> None:
     assert summary["anchor-rl"]["s_per_step"]["half_width"] == 0.0
     r = ratios(summary)  # paired by seed
     assert r["s_per_step"]["values"] == [1.0, 2.0] and r["s_per_step"]["mean"] == 1.5
+    assert r["s_per_step_warm"]["values"] == [2.0 / 3.0, 4.0 / 3.0]
     assert r["tokens_per_s"]["values"] == [1.0, 0.5]  # 10/10, 5/10
     assert r["rss_peak_mb"]["values"] == [1.6, 2.0]
     assert r["eval_final_diff"]["values"] == [-0.25, 0.25] and r["eval_final_diff"]["mean"] == 0.0
@@ -193,3 +197,14 @@ def test_one_step_of_both_trainers(tmp_path) -> None:
     assert result["plots"][0].is_file()
     # The mapping is accepted by this TRL version as is.
     trl.GRPOConfig(**payload["grpo_config"], output_dir=str(tmp_path / "cfg"))
+
+
+def test_jax_is_kept_off_the_gpu_unless_the_environment_says(monkeypatch) -> None:
+    from anchor_rl.bench.trl_compare import JAX_SETTINGS, keep_jax_off_the_gpu
+
+    for name in JAX_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # the user's own choice stays
+    keep_jax_off_the_gpu()
+    assert os.environ["JAX_PLATFORMS"] == "cuda"
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

@@ -8,11 +8,18 @@ import json
 import pytest
 
 from anchor_rl.bench.runner import BenchArgs
-from anchor_rl.bench.throughput import LAYOUTS, default_layouts, run_throughput_suite
+from anchor_rl.bench.throughput import (
+    GPU_LAYOUTS,
+    LAYOUTS,
+    default_layouts,
+    run_throughput_suite,
+)
 
 
-def test_every_layout_runs_on_the_cpu_for_the_small_sizes_only() -> None:
-    assert default_layouts("cpu", "tiny") == tuple(LAYOUTS) == default_layouts("cpu", "small")
+def test_every_cpu_layout_runs_on_the_cpu_for_the_small_sizes_only() -> None:
+    cpu_layouts = tuple(k for k in LAYOUTS if k not in GPU_LAYOUTS)
+    assert default_layouts("cpu", "tiny") == cpu_layouts == default_layouts("cpu", "small")
+    assert set(GPU_LAYOUTS) <= set(LAYOUTS) and "" in cpu_layouts
     assert default_layouts("cpu", "base") == ("",)
     assert default_layouts("cuda", "tiny") == ("",)
     assert default_layouts("cpu", "tiny", "quick") == ("",)

@@ -172,3 +172,24 @@ def test_bf16_attention_on_the_cpu_runs_in_float32():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     out.float().sum().backward()
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in leaves)
+
+
+def test_cuda_attention_leaves_the_cudnn_backend_out(monkeypatch):
+    """On CUDA the layout's attention runs with cuDNN's SDPA backend disabled (it plans every
+    new shape) and the others enabled, restored afterwards; ``SDPA_CUDNN`` keeps PyTorch's
+    choice, as does every other device."""
+    from anchor_rl.models.shared_prefix import sdpa_backends
+
+    cuda = torch.backends.cuda
+    before = cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled()
+    assert before == (True, True)  # PyTorch's defaults: the check below can fail
+    with sdpa_backends("cuda"):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.mem_efficient_sdp_enabled() and cuda.flash_sdp_enabled()
+        assert cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    with sdpa_backends("cpu"):
+        assert cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(shared_prefix, "SDPA_CUDNN", True)
+    with sdpa_backends("cuda"):
+        assert cuda.cudnn_sdp_enabled()

@@ -1,0 +1,121 @@
+"""anchor-rl's sampler against ``transformers``' ``generate`` on the same batch and device.
+
+Usage: ``python scripts/probe_generate.py [SPEC ...] [--device cuda] [--dtype bfloat16]
+[--repeats 5] [--out FILE]`` (specs default to ``random:base``).
+
+One ``grpo`` step's rollout (the TRL comparison's: the first 8 arithmetic prompts x 8
+responses, T = 1, top_p = 1, at most 80 new tokens), sampled by anchor-rl's ``hf`` engine
+(the static decoder; it also returns each token's log-prob) and by ``model.generate``
+(``do_sample=True``, ``top_k=0``, the default dynamic cache; what TRL's ``GRPOTrainer``
+calls without vLLM), in alternation, ``repeats`` calls each after one warm-up call each.
+Both stop at eos or the budget only (the task's stop strings are dropped, so both sides
+decode the same way) and both run until the batch's last response ends, so their work per
+call is the same up to which responses sample eos early. Prints JSON per spec: the median
+seconds per call, the mean generated tokens per call and tokens/s (all tokens over all
+timed seconds) of each, their ratio of seconds per call, peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anchor_rl.bench.throughput import grpo_step_call
+from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.engine import make_engine
+
+
+def measure(spec: str, device: str, dtype: str, repeats: int) -> dict[str, Any]:
+    model, tokenizer, (requests, params, tools, instruction) = grpo_step_call(spec, device=device)
+    model = model.to(getattr(torch, dtype)).eval()
+    params = dataclasses.replace(params, stop=[])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    engine = make_engine("hf", model, tokenizer)
+    tokens: dict[str, int] = {}
+
+    def engine_call() -> None:
+        batch = engine.rollout(requests, params, tools, instruction)
+        sync()
+        tokens["anchor-rl"] = int(batch.loss_mask.sum())
+
+    prompts = [encode_prompt(tokenizer, r.prompt, instruction) for r in requests]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+
+    def generate_call() -> None:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=params.max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        sync()
+        new = out[:, width:]
+        ended = (new == tokenizer.eos_token_id).int().cumsum(1)
+        # tokens up to and including the first eos
+        tokens["transformers"] = int(
+            ((ended == 0) | ((ended == 1) & (new == tokenizer.eos_token_id))).sum()
+        )
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    calls = {"anchor-rl": engine_call, "transformers": generate_call}
+    seconds: dict[str, list[float]] = {side: [] for side in calls}
+    counts: dict[str, list[int]] = {side: [] for side in calls}
+    for call in calls.values():  # warm-up
+        call()
+    for _ in range(repeats):  # alternating
+        for side, call in calls.items():
+            begin = time.perf_counter()
+            call()
+            seconds[side].append(time.perf_counter() - begin)
+            counts[side].append(tokens[side])
+    result: dict[str, Any] = {"spec": spec, "device": device, "dtype": dtype, "rows": len(requests)}
+    for side in calls:
+        result[side] = {
+            "s_per_call": statistics.median(seconds[side]),
+            "tokens_per_call": statistics.mean(counts[side]),
+            "tok_s": sum(counts[side]) / sum(seconds[side]),
+        }
+    result["speedup_s_per_call"] = (
+        result["transformers"]["s_per_call"] / result["anchor-rl"]["s_per_call"]
+    )
+    if device.startswith("cuda"):
+        result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        result["device_name"] = torch.cuda.get_device_name()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("specs", nargs="*", default=["random:base"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = [measure(s, args.device, args.dtype, args.repeats) for s in args.specs]
+    text = json.dumps({"torch": torch.__version__, "results": results}, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
