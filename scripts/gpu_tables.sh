@@ -9,12 +9,14 @@
 #   1. the machine and versions;
 #   2. a larger HF-format model: a random Llama body at TinyLlama's width, 16 layers (~0.7B),
 #      written by scripts/make_hf_model.py with the project's tokenizer;
-#   3. anchor-rl's sampler against transformers' generate (scripts/probe_generate.py), bf16;
-#   4. suite throughput: `base` (float32, bf16, bf16 with cuDNN attention allowed) and the
-#      larger model (bf16);
-#   5. suite trl: anchor-rl against TRL's GRPOTrainer, bf16, 3 seeds, on the larger model
-#      and on `base`;
-#   6. suite throughput on `base` with 1 and 2 Ray rollout workers on a share of the GPU.
+#   3. anchor-rl's sampler (decode auto and graph) against transformers' generate
+#      (scripts/probe_generate.py), bf16;
+#   4. suite throughput: `base` in bf16 (cuDNN attention left out, and allowed), the larger
+#      model in bf16 (decode auto and graph);
+#   5. suite trl on the larger model, bf16, 3 seeds, with decode=graph;
+#   6. what the first GPU session measured already: `base` in float32, trl on the larger
+#      model with the default decoder; then trl on `base`;
+#   7. suite throughput on `base` with 1 and 2 Ray rollout workers on a share of the GPU.
 #
 # A dry run of the plumbing on the CPU (small shapes, 1-step smoke profiles):
 #   GPU_TABLES_DEVICE=cpu GPU_TABLES_MODEL="--hidden 64 --layers 2 --heads 4 --kv-heads 2
@@ -60,10 +62,10 @@ stage machine 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_versio
   python3 -c "import trl, datasets; print(\"trl\", trl.__version__, \"datasets\", datasets.__version__)";
   python3 -c "import ray; print(\"ray\", ray.__version__)"'
 stage model 60 python3 scripts/make_hf_model.py "$big" --device "$dev" "${model_args[@]}"
-stage generate 90 python3 scripts/probe_generate.py "$base" "$big" --device "$dev" \
-  --dtype bfloat16 --out "$out/generate-bf16.json"
-stage throughput-base 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
-  --out "$out/throughput-base" "model=$base"
+# decode=graph (CUDA graphs) is unmeasured: its stages come first; generate checks that it
+# samples the same tokens as the static decoder (the same seeds)
+stage generate 100 python3 scripts/probe_generate.py "$base" "$big" --device "$dev" \
+  --dtype bfloat16 --decodes "auto,graph" --out "$out/generate-bf16.json"
 stage throughput-base-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base-bf16" "model=$base" "${B[@]}"
 # the same with cuDNN's attention allowed in the update (anchor_rl.models.shared_prefix)
@@ -72,6 +74,14 @@ stage throughput-base-bf16-cudnn 60 env ANCHOR_RL_SDPA_CUDNN=on anchor-rl bench 
   "${B[@]}"
 stage throughput-big-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-big-bf16" "model=$big" "${B[@]}"
+stage throughput-big-bf16-graph 60 anchor-rl bench throughput --device "$dev" --steps 5 \
+  "${bench[@]}" --out "$out/throughput-big-bf16-graph" "model=$big" "${B[@]}" \
+  rollout.engine_args.decode=graph
+stage trl-big-bf16-graph 150 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --steps 8 \
+  "${bench[@]}" --out "$out/trl-big-bf16-graph" "model=$big" "${B[@]}" \
+  rollout.engine_args.decode=graph
+stage throughput-base 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
+  --out "$out/throughput-base" "model=$base"
 stage trl-big-bf16 150 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --steps 8 "${bench[@]}" \
   --out "$out/trl-big-bf16" "model=$big" "${B[@]}"
 stage trl-base-bf16 120 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --steps 8 "${bench[@]}" \

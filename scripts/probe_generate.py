@@ -1,7 +1,7 @@
 """anchor-rl's sampler against ``transformers``' ``generate`` on the same batch and device.
 
 Usage: ``python scripts/probe_generate.py [SPEC ...] [--device cuda] [--dtype bfloat16]
-[--repeats 5] [--out FILE]`` (specs default to ``random:base``).
+[--repeats 5] [--decodes auto,graph] [--out FILE]`` (specs default to ``random:base``).
 
 One ``grpo`` step's rollout (the TRL comparison's: the first 8 arithmetic prompts x 8
 responses, T = 1, top_p = 1, at most 80 new tokens), sampled by anchor-rl's ``hf`` engine
@@ -12,7 +12,8 @@ Both stop at eos or the budget only (the task's stop strings are dropped, so bot
 decode the same way) and both run until the batch's last response ends, so their work per
 call is the same up to which responses sample eos early. Prints JSON per spec: the median
 seconds per call, the mean generated tokens per call and tokens/s (all tokens over all
-timed seconds) of each, their ratio of seconds per call, peak GPU memory.
+timed seconds) of each, ``generate``'s seconds per call over each anchor-rl mode's, whether
+each mode sampled the same tokens as the first (the same seeds), peak GPU memory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +34,27 @@ from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.engine import make_engine
 
 
-def measure(spec: str, device: str, dtype: str, repeats: int) -> dict[str, Any]:
+def measure(
+    spec: str, device: str, dtype: str, repeats: int, decodes: tuple[str, ...] = ("auto",)
+) -> dict[str, Any]:
     model, tokenizer, (requests, params, tools, instruction) = grpo_step_call(spec, device=device)
     model = model.to(getattr(torch, dtype)).eval()
     params = dataclasses.replace(params, stop=[])
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    engine = make_engine("hf", model, tokenizer)
     tokens: dict[str, int] = {}
+    sampled: dict[str, torch.Tensor] = {}  # each decode mode's tokens (the same seeds)
 
-    def engine_call() -> None:
-        batch = engine.rollout(requests, params, tools, instruction)
-        sync()
-        tokens["anchor-rl"] = int(batch.loss_mask.sum())
+    def engine_call(decode: str) -> Callable[[], None]:
+        side = "anchor-rl" if decode == "auto" else f"anchor-rl {decode}"
+        engine = make_engine("hf", model, tokenizer, decode=decode)
+
+        def call() -> None:
+            batch = engine.rollout(requests, params, tools, instruction)
+            sync()
+            tokens[side] = int(batch.loss_mask.sum())
+            sampled[side] = batch.response_ids
+
+        return call
 
     prompts = [encode_prompt(tokenizer, r.prompt, instruction) for r in requests]
     width = max(map(len, prompts))
@@ -74,7 +85,10 @@ def measure(spec: str, device: str, dtype: str, repeats: int) -> dict[str, Any]:
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    calls = {"anchor-rl": engine_call, "transformers": generate_call}
+    calls = {
+        **{("anchor-rl" if d == "auto" else f"anchor-rl {d}"): engine_call(d) for d in decodes},
+        "transformers": generate_call,
+    }
     seconds: dict[str, list[float]] = {side: [] for side in calls}
     counts: dict[str, list[int]] = {side: [] for side in calls}
     for call in calls.values():  # warm-up
@@ -92,9 +106,13 @@ def measure(spec: str, device: str, dtype: str, repeats: int) -> dict[str, Any]:
             "tokens_per_call": statistics.mean(counts[side]),
             "tok_s": sum(counts[side]) / sum(seconds[side]),
         }
-    result["speedup_s_per_call"] = (
-        result["transformers"]["s_per_call"] / result["anchor-rl"]["s_per_call"]
-    )
+    for side in calls:
+        if side.startswith("anchor-rl"):
+            result[side]["generate_over_this"] = (
+                result["transformers"]["s_per_call"] / result[side]["s_per_call"]
+            )
+            first = next(iter(sampled.values()))
+            result[side]["same_tokens_as_first_mode"] = torch.equal(sampled[side], first)
     if device.startswith("cuda"):
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         result["device_name"] = torch.cuda.get_device_name()
@@ -107,9 +125,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--decodes", default="auto", help="anchor-rl decode modes, comma-separated (auto,graph)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results = [measure(s, args.device, args.dtype, args.repeats) for s in args.specs]
+    decodes = tuple(args.decodes.split(","))
+    results = [measure(s, args.device, args.dtype, args.repeats, decodes) for s in args.specs]
     text = json.dumps({"torch": torch.__version__, "results": results}, indent=2)
     print(text)
     if args.out:

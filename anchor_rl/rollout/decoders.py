@@ -21,10 +21,19 @@ left-padded contexts, then one ``step`` per generated token, dropping finished r
 Both compute the same function; they differ in floating-point rounding only (the
 reduction order of the attention over a longer, masked key axis), pinned in the tests to
 1e-5 on the logits. ``decoder_for`` picks the static one where the model is supported.
+
+``decode="graph"`` (CUDA only, experimental: not yet measured on a GPU) runs the static
+decoder with static shapes and replays each decode step as a CUDA graph: the buffers get
+the whole budget's columns at the prefill, a step writes its column with ``index_copy_`` at
+a column held in a device tensor and attends over every column (unwritten ones masked), so
+one captured graph serves every step until the rows are compacted (then it is captured
+again). On a GPU a decode step of a small model is bound by launching its few hundred
+kernels one by one (docs/results.md, "On a GPU"); a graph launches them at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
@@ -34,8 +43,8 @@ from anchor_rl.models.llama import finish, llama_unsupported, project
 from anchor_rl.models.packed import Linear, linears_for, plain
 from anchor_rl.models.padding import distinct_rows
 
-DecodeMode = Literal["auto", "static", "hf"]
-DECODE_MODES: tuple[str, ...] = ("auto", "static", "hf")
+DecodeMode = Literal["auto", "static", "hf", "graph"]
+DECODE_MODES: tuple[str, ...] = ("auto", "static", "hf", "graph")
 
 
 class Decoder(Protocol):
@@ -99,17 +108,18 @@ def static_unsupported(model: PreTrainedModel) -> str | None:
 
 
 def decoder_for(model: PreTrainedModel, mode: DecodeMode = "auto") -> Decoder:
-    """The decoder ``mode`` names: ``static`` (ValueError naming why, if the model is not
-    supported), ``hf``, or ``auto`` (static where supported, else hf)."""
+    """The decoder ``mode`` names: ``static`` or ``graph`` (ValueError naming why, if the
+    model is not supported; ``graph`` samples on CUDA only, checked at the prefill), ``hf``,
+    or ``auto`` (static where supported, else hf)."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
     if mode == "hf":
         return HFDecoder(model)
     reason = static_unsupported(model)
     if reason is None:
-        return StaticDecoder(model)
-    if mode == "static":
-        raise ValueError(f"decode=static cannot run {type(model).__name__}: {reason}")
+        return StaticDecoder(model, graphs=mode == "graph")
+    if mode in ("static", "graph"):
+        raise ValueError(f"decode={mode} cannot run {type(model).__name__}: {reason}")
     return HFDecoder(model)
 
 
@@ -141,7 +151,7 @@ class StaticDecoder:
     the CPU, 4, 8 and 16 sample a GRPO step's rollout equally fast within noise, all
     faster than room for the whole budget (``docs/results.md``)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, static_shapes: bool = False, graphs: bool = False):
         reason = static_unsupported(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder cannot run {type(model).__name__}: {reason}")
@@ -159,14 +169,25 @@ class StaticDecoder:
         self.rows = torch.zeros(0, dtype=torch.long)  # buffer row of each live row
         self.column = 0  # next column to write
         self.linear: Linear = plain  # the turn's projections (packed weights, see prefill)
+        # static shapes: whole-budget buffers, a step's column in a tensor, attention over
+        # every column; graphs: each step replayed from a CUDA graph (on those shapes)
+        self.graphs = graphs
+        self.static_shapes = static_shapes or graphs
+        self._graph: _StepGraph | None = None
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
     ) -> torch.Tensor:
         b, length = ids.shape
         limit = length + budget  # the keep mask's width; the buffers grow towards it
-        width = min(limit, length + self.GROW_COLUMNS)
+        width = limit if self.static_shapes else min(limit, length + self.GROW_COLUMNS)
         device = ids.device
+        if self.graphs and device.type != "cuda":
+            raise ValueError(
+                f"decode=graph replays CUDA graphs, but the model is on {device}; "
+                "use decode=auto or static"
+            )
+        self._graph = None
         self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
@@ -193,14 +214,16 @@ class StaticDecoder:
     def _buffers(
         self, rows: int, width: int, device: torch.device
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Uninitialised key buffers ``[rows, H_kv, D, width]`` and value buffers ``[rows,
-        H_kv, width, D]``, one of each per layer."""
+        """Key buffers ``[rows, H_kv, D, width]`` and value buffers ``[rows, H_kv, width,
+        D]``, one of each per layer: uninitialised, or zeros on static shapes (a step
+        there multiplies every column, and a masked column must hold no NaN)."""
         dtype, layers = self.inner.embed_tokens.weight.dtype, len(self.inner.layers)
         keys = (rows, self.kv_heads, self.head_dim, width)
         values = (rows, self.kv_heads, width, self.head_dim)
+        new = torch.zeros if self.static_shapes else torch.empty
         return (
-            [torch.empty(keys, device=device, dtype=dtype) for _ in range(layers)],
-            [torch.empty(values, device=device, dtype=dtype) for _ in range(layers)],
+            [new(keys, device=device, dtype=dtype) for _ in range(layers)],
+            [new(values, device=device, dtype=dtype) for _ in range(layers)],
         )
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -217,14 +240,38 @@ class StaticDecoder:
             full = torch.zeros(self.keep.shape[0], dtype=tokens.dtype, device=tokens.device)
             tokens = full.index_copy(0, self.rows, tokens)
             pos = torch.zeros_like(full).index_copy(0, self.rows, pos)
-        self.keep[:, column] = True
-        bias = _bias(self.keep[:, None, None, : column + 1])
-        hidden = self._layers(
-            self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, column, 1
-        )
+        if self.static_shapes:
+            logits = self._static_step(tokens, pos, column)
+        else:
+            self.keep[:, column] = True
+            bias = _bias(self.keep[:, None, None, : column + 1])
+            hidden = self._layers(
+                self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, column, 1
+            )
+            logits = self._logits(hidden)
         self.column = column + 1
-        logits = self._logits(hidden)
         return logits if len(self.rows) == len(logits) else logits[self.rows]
+
+    def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, column: int) -> torch.Tensor:
+        """A step on static shapes: the logits ``[B, V]`` of every buffer row; with
+        ``graphs``, replayed from the graph of the current buffers (captured at their first
+        step)."""
+        at = torch.tensor([column], device=tokens.device)
+        if not self.graphs:
+            return self._step_at(tokens, pos, at)
+        if self._graph is None or not self._graph.serves(self.keys[0], len(tokens)):
+            self._graph = None  # its memory goes before the next capture
+            self._graph = _StepGraph(self._step_at, tokens, pos, at, self.keys[0])
+        return self._graph.replay(tokens, pos, at)
+
+    def _step_at(self, tokens: torch.Tensor, pos: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The step of :meth:`step` on static shapes, every operand a tensor: ``tokens[B]``
+        at positions ``pos[B]`` written to column ``at[1]``, attention over every column of
+        the buffers (those not kept masked); logits ``[B, V]``."""
+        self.keep.index_fill_(1, at, True)
+        bias = _bias(self.keep[:, None, None, :])
+        hidden = self._layers(self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, at, 1)
+        return self._logits(hidden)
 
     def select(self, index: torch.Tensor) -> None:
         self.rows = self.rows[index.to(self.rows.device)]
@@ -247,24 +294,37 @@ class StaticDecoder:
         self.keys, self.values = keys, values
 
     def _layers(
-        self, hidden: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, start: int, n: int
+        self,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        bias: torch.Tensor,
+        start: int | torch.Tensor,
+        n: int,
     ) -> torch.Tensor:
         """Run every decoder layer on ``hidden[B, n, H]`` at positions ``pos[B, n]``,
         writing keys and values to columns ``start .. start + n``; ``bias[B, 1, n, K]``
-        (0 or -inf) says which of the first ``K = start + n`` columns each query sees."""
+        (0 or -inf) says which of the first ``K = start + n`` columns each query sees. A
+        tensor ``start`` (``[1]``, with ``n = 1``) is the static-shape step: its column is
+        written in place and every column of the buffers is attended (``K`` their width)."""
         b = hidden.shape[0]
         cos, sin = self.inner.rotary_emb(hidden, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
-        end = start + n
+        static = isinstance(start, torch.Tensor)
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
         for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
             q, k, v = project(layer, hidden, cos, sin, self.linear)  # [B, n, heads | kv, D]
-            keys[..., start:end] = k.permute(0, 2, 3, 1)
-            values[:, :, start:end] = v.transpose(1, 2)
+            width = values.shape[2]
+            if static:
+                keys.index_copy_(3, start, k.permute(0, 2, 3, 1))
+                values.index_copy_(2, start, v.transpose(1, 2))
+                end = width
+            else:
+                end = start + n
+                keys[..., start:end] = k.permute(0, 2, 3, 1)
+                values[:, :, start:end] = v.transpose(1, 2)
             # batched matmuls on column slices of the buffers (no copy of the cache):
             # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
-            width = values.shape[2]
             k_seen = keys.view(b * kv_heads, d, width)[..., :end]
             v_seen = values.view(b * kv_heads, width, d)[:, :end]
             q = q.transpose(1, 2).reshape(b * kv_heads, group * n, d)
@@ -280,3 +340,48 @@ class StaticDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` logits of the last position of ``hidden[B, n, H]``."""
         return self.model.lm_head(self.inner.norm(hidden[:, -1, :]))
+
+
+class _StepGraph:
+    """One decode step captured as a CUDA graph for a set of buffers (``keys`` identifies
+    them: compaction makes new ones) and a batch size.
+
+    ``step(tokens, pos, at)`` must read and write only tensors whose storage stays put
+    between replays (the decoder's buffers and keep mask) besides its three arguments,
+    which are copied into the graph's own input tensors before each replay. Capturing runs
+    the step once eagerly on a side stream first (CUDA's rule for capture); the step is
+    idempotent for the same inputs (it writes the same column), so that run, the capture
+    and the replay leave the buffers as one step would.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        at: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> None:
+        self.keys, self.rows = keys, len(tokens)
+        self.tokens, self.pos, self.at = tokens.clone(), pos.clone(), at.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(self.tokens, self.pos, self.at)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step(self.tokens, self.pos, self.at)
+
+    def serves(self, keys: torch.Tensor, rows: int) -> bool:
+        """Whether this graph was captured on these buffers for this many rows."""
+        return keys is self.keys and rows == self.rows
+
+    def replay(self, tokens: torch.Tensor, pos: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The step's logits ``[B, V]`` for these inputs (a copy: the graph's output tensor
+        is overwritten by the next replay)."""
+        self.tokens.copy_(tokens)
+        self.pos.copy_(pos)
+        self.at.copy_(at)
+        self.graph.replay()
+        return self.logits.clone()

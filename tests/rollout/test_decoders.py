@@ -84,6 +84,57 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
         assert widths == [length + 8] * 5
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, monkeypatch):
+    """The steps ``decode=graph`` captures, run eagerly: whole-budget buffers (zeros where
+    nothing is written yet), each step's column given as a tensor and attention over every
+    column, through selections and compactions, give the model's own logits."""
+    if pack:
+        monkeypatch.setattr(packed, "ENABLED", True)
+        monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
+    model = MODELS[name].eval()
+    ids, mask = left_pad(contexts, TOK.pad_token_id)
+    pos = position_ids(mask)
+    fast, slow = StaticDecoder(model, static_shapes=True), HFDecoder(model)
+    steps = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
+    keep = [None, None, [0, 1, 3], [0, 2], [1]]
+    width = ids.shape[1] + 8
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8), rtol=0, atol=1e-5
+        )
+        assert fast.values[0].shape[2] == width and not fast.keys[0][..., -1].any()
+        pos = pos[:, -1]
+        for tokens, index in zip(steps, keep, strict=True):
+            if index is not None:
+                index = torch.tensor(index)
+                fast.select(index)
+                slow.select(index)
+                pos = pos[index]
+            pos = pos + 1
+            tokens = torch.tensor(tokens)
+            a, b = fast.step(tokens, pos), slow.step(tokens, pos)
+            assert fast.values[0].shape[2] == width  # never grown
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert fast.keys[0].shape[0] < len(contexts)  # the buffers were compacted on the way
+
+
+def test_graph_decoding_needs_a_cuda_model() -> None:
+    model = MODELS["tiny"].eval()
+    decoder = decoder_for(model, "graph")
+    assert isinstance(decoder, StaticDecoder) and decoder.graphs and decoder.static_shapes
+    stops = StopSet.build(TOK, [], eos_ids(model, TOK))
+    with pytest.raises(
+        ValueError, match="decode=graph replays CUDA graphs, but the model is on cpu"
+    ):
+        generate_turn(model, TOK, CONTEXTS, [4] * 4, 1.0, 1.0, stops, [0] * 4, [0] * 4, "graph")
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(TOK)))
+    with pytest.raises(ValueError, match="decode=graph cannot run GPT2LMHeadModel"):
+        decoder_for(gpt2, "graph")
+
+
 def test_generate_turn_samples_the_same_tokens_with_either_decoder() -> None:
     model = MODELS["tiny"].eval()
     stops = StopSet.build(TOK, [], eos_ids(model, TOK))
