@@ -771,6 +771,7 @@ def _settings(cfg: TrainConfig) -> dict[str, Any]:
         "clip": [cfg.loss.clip_low, cfg.loss.clip_high],
         "loss_agg": cfg.loss.agg,
         "precision": "bf16" if cfg.optim.autocast == "bf16" else "fp32",
+        "anchor_rl_decode": cfg.rollout.engine_args.get("decode", "auto"),
         "eval_prompts": cfg.eval.prompts,
         "eval_temperature": cfg.eval.temperature,
     }
@@ -780,6 +781,14 @@ def _cell(figure: dict[str, Any] | None, digits: int) -> str:
     if figure is None:
         return "–"
     return Interval(figure["mean"], figure["half_width"], figure["n"]).fmt(digits)
+
+
+def _decode_note(decode: str) -> str:
+    """What the summary says of anchor-rl's decoder when it is not the default one (the
+    differences table describes ``decode=auto``)."""
+    if decode == "auto":
+        return ""
+    return f" anchor-rl samples with `rollout.engine_args.decode={decode}`."
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -802,7 +811,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"epoch(s) x {s['mini_batches']} mini-batch(es), {s.get('precision', 'fp32')}. "
         "Held-out accuracy: "
         f"{s['eval_prompts']} test prompts, temperature {s['eval_temperature']}, the same "
-        "`evaluate_model` call for both final models.",
+        "`evaluate_model` call for both final models."
+        + _decode_note(s.get("anchor_rl_decode", "auto")),
         "",
         "Mean ± half-width of the 95% Student-t interval over seeds; the last column pairs "
         "the two runs of each seed (they ran back to back). Wall-clock figures were taken on "

@@ -25,9 +25,9 @@ reduction order of the attention over a longer, masked key axis), pinned in the 
 ``decode="graph"`` (CUDA only, experimental: not yet measured on a GPU) runs the static
 decoder with static shapes and replays each decode step as a CUDA graph: the buffers get
 the whole budget's columns at the prefill, a step writes its column with ``index_copy_`` at
-a column held in a device tensor and attends over every column (unwritten ones masked), so
-one captured graph serves every step until the rows are compacted (then it is captured
-again). On a GPU a decode step of a small model is bound by launching its few hundred
+a column held in a device tensor and attends over every column (unwritten ones masked), and
+finished rows stay in the buffers (no compaction), so one graph captured at the turn's first
+step serves all its steps. On a GPU a decode step of a small model is bound by launching its few hundred
 kernels one by one (docs/results.md, "On a GPU"); a graph launches them at once.
 """
 
@@ -275,7 +275,9 @@ class StaticDecoder:
 
     def select(self, index: torch.Tensor) -> None:
         self.rows = self.rows[index.to(self.rows.device)]
-        if len(self.rows) >= self.COMPACT_BELOW * self.keep.shape[0]:
+        # with graphs the finished rows stay: a compaction would mean a new capture, which
+        # costs a few steps, while a replay costs about one launch whatever the rows
+        if self.graphs or len(self.rows) >= self.COMPACT_BELOW * self.keep.shape[0]:
             return
         self._rebuffer(self.rows, self.values[0].shape[2])
         self.keep = self.keep[self.rows]

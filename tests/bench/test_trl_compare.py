@@ -208,3 +208,15 @@ def test_jax_is_kept_off_the_gpu_unless_the_environment_says(monkeypatch) -> Non
     keep_jax_off_the_gpu()
     assert os.environ["JAX_PLATFORMS"] == "cuda"
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+def test_a_decoder_other_than_the_default_is_named_in_the_summary(tmp_path) -> None:
+    from anchor_rl.bench.runner import plan
+    from anchor_rl.bench.trl_compare import TRL_SUITE, _decode_note, _settings
+
+    (spec,) = plan(TRL_SUITE, tmp_path, seeds=[0], overrides=["rollout.engine_args.decode=graph"])
+    assert _settings(spec.config)["anchor_rl_decode"] == "graph"
+    (default,) = plan(TRL_SUITE, tmp_path, seeds=[0])
+    assert _settings(default.config)["anchor_rl_decode"] == "auto"
+    assert _decode_note("auto") == ""
+    assert "`rollout.engine_args.decode=graph`" in _decode_note("graph")

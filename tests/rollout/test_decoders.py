@@ -121,6 +121,28 @@ def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, m
     assert fast.keys[0].shape[0] < len(contexts)  # the buffers were compacted on the way
 
 
+def test_graph_decoding_keeps_finished_rows_in_its_buffers() -> None:
+    """With graphs a selection never compacts (a compaction would cost a new capture): the
+    buffers stay, the live rows index them, and the static-shape step still gives the
+    model's own logits for the live rows."""
+    model = MODELS["tiny"].eval()
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    pos = position_ids(mask)
+    fast, slow = StaticDecoder(model, static_shapes=True), HFDecoder(model)
+    with torch.no_grad():
+        fast.prefill(ids, mask, pos, 4)
+        slow.prefill(ids, mask, pos, 4)
+        buffers = fast.keys[0]
+        fast.graphs = True  # what decode=graph sets; its steps need CUDA, its selection not
+        index = torch.tensor([2])  # one live row of four: a compaction without graphs
+        fast.select(index)
+        slow.select(index)
+        assert fast.keys[0] is buffers and fast.rows.tolist() == [2]
+        fast.graphs = False
+        step = (torch.tensor([11]), pos[index, -1] + 1)
+        torch.testing.assert_close(fast.step(*step), slow.step(*step), rtol=0, atol=1e-5)
+
+
 def test_graph_decoding_needs_a_cuda_model() -> None:
     model = MODELS["tiny"].eval()
     decoder = decoder_for(model, "graph")
