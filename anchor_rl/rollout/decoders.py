@@ -27,8 +27,9 @@ decoder with static shapes and replays each decode step as a CUDA graph: the buf
 the whole budget's columns at the prefill, a step writes its column with ``index_copy_`` at
 a column held in a device tensor and attends over every column (unwritten ones masked), and
 finished rows stay in the buffers (no compaction), so one graph captured at the turn's first
-step serves all its steps. On a GPU a decode step of a small model is bound by launching its few hundred
-kernels one by one (docs/results.md, "On a GPU"); a graph launches them at once.
+step serves all its steps. On a GPU a decode step of a small model is bound by launching
+its few hundred kernels one by one (docs/results.md, "On a GPU"); a graph launches them at
+once.
 """
 
 from __future__ import annotations
