@@ -571,7 +571,7 @@ def _mse_section(results: Results, out: Path) -> list[Block]:
     blocks: list[Block] = [("h2", "Baseline MSE (simulation)")]
     if not results.mse:
         return [*blocks, ("p", "No `baseline-mse` results among the inputs.")]
-    for i, (root, payload) in enumerate(results.mse):
+    for root, payload in results.mse:
         block = payload["configs"].get("pm1_worst")
         if block is None:
             continue
@@ -601,18 +601,25 @@ def _mse_section(results: Results, out: Path) -> list[Block]:
             root / "mse_vs_rollouts_pm1_worst.png",
             out,
             "baseline_mse_vs_rollouts",
-            i,
+            root,
+            [r for r, _ in results.mse],
             "baseline MSE against rollouts per prompt",
         )
     return blocks
 
 
-def _copied_plot(source: Path, out: Path, stem: str, i: int, alt: str) -> list[Block]:
-    """Copy a suite's PNG into the report as ``stem.png`` (``stem_i.png`` for the i-th result
-    of a kind); no block when the suite did not write it."""
+def _copied_plot(
+    source: Path, out: Path, stem: str, root: Path, roots: Sequence[Path], alt: str
+) -> list[Block]:
+    """Copy a suite's PNG into the report as ``stem_LABEL.png``, LABEL the name of the
+    result's directory ``root`` (its parent's too where another of ``roots``, the results of
+    its kind, has the same name), so adding a result renames no other plot; no block when
+    the suite did not write it."""
     if not source.is_file():
         return []
-    name = f"{stem}{'' if i == 0 else f'_{i}'}.png"
+    twins = sum(r.name == root.name for r in roots) > 1
+    label = f"{root.parent.name}_{root.name}" if twins else root.name
+    name = f"{stem}_{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.png"
     shutil.copyfile(source, out / name)
     return [("img", (name, alt))]
 
@@ -623,7 +630,7 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
     blocks: list[Block] = [("h2", "anchor-rl beside TRL")]
     if not results.trl:
         return [*blocks, ("p", "No `trl` suite results among the inputs.")]
-    for i, (root, payload) in enumerate(results.trl):
+    for root, payload in results.trl:
         summary, ratio, s = payload["summary"], payload["ratios"], payload["settings"]
         host, precision = payload["host"], s.get("precision", "fp32")
         if len(results.trl) > 1:
@@ -667,7 +674,8 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
             root / "reward_vs_step.png",
             out,
             "trl_reward_vs_step",
-            i,
+            root,
+            [r for r, _ in results.trl],
             "training reward per step, anchor-rl and TRL",
         )
     return blocks
@@ -677,7 +685,7 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
     blocks: list[Block] = [("h2", "Throughput")]
     if not results.throughput:
         return [*blocks, ("p", "No `throughput` suite results among the inputs.")]
-    for i, (root, payload) in enumerate(results.throughput):
+    for root, payload in results.throughput:
         host, s = payload["host"], payload["settings"]
         if len(results.throughput) > 1:
             blocks.append(("h3", f"`{root.name}`"))
@@ -715,7 +723,8 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
             root / "stage_time.png",
             out,
             "throughput_stage_time",
-            i,
+            root,
+            [r for r, _ in results.throughput],
             "seconds per step by stage and model size",
         )
     return blocks

@@ -161,6 +161,23 @@ def test_a_near_miss_is_not_printed_as_the_target(tmp_path) -> None:
     assert speed.startswith("held-out accuracy: not reached and held, best 0.5996 vs target 0.6000")
 
 
+def test_suite_plots_are_named_after_their_directories(bench, tmp_path) -> None:
+    """Adding a result renames no other plot; two results of a kind in directories of the
+    same name are told apart by their parents."""
+    _write_trl(bench / "gpu")  # a second trl result ...
+    (bench / "gpu").rename(bench / "gpu-box")
+    (bench / "gpu-box" / "trl").mkdir()  # ... in a directory named trl, like the first
+    for name in ("trl_compare.json", "reward_vs_step.png"):
+        (bench / "gpu-box" / name).rename(bench / "gpu-box" / "trl" / name)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["report", str(bench), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    for png in ("trl_reward_vs_step_runs_trl", "trl_reward_vs_step_gpu-box_trl"):
+        assert (out / f"{png}.png").is_file() and f"]({png}.png)" in md
+    assert not list(out.glob("trl_reward_vs_step_trl*.png"))
+
+
 def test_report_files_and_offline_html(bench, tmp_path) -> None:
     out = tmp_path / "report"
     result = CliRunner().invoke(app, ["report", str(bench), "--out", str(out)])
@@ -169,7 +186,8 @@ def test_report_files_and_offline_html(bench, tmp_path) -> None:
     page = (out / "report.html").read_text()
     for png in ("accuracy_vs_rollouts", "accuracy_vs_time", "train_accuracy_vs_rollouts",
                 "train_accuracy_vs_time", "advantage_std", "entropy", "kl",
-                "baseline_mse_vs_rollouts", "trl_reward_vs_step"):  # fmt: skip
+                # a suite's own plot is named after its directory
+                "baseline_mse_vs_rollouts_baseline-mse", "trl_reward_vs_step_trl"):  # fmt: skip
         assert (out / f"{png}.png").stat().st_size > 0
         assert f"]({png}.png)" in md
     assert "not measured" in md and "| `v05+k4` vs `grpo+k16` |" in md
