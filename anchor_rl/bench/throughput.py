@@ -374,11 +374,17 @@ def model_shape(spec: str) -> tuple[int, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.factory import SIZES
 
     kind, _, size = spec.partition(":")
     if kind in {"random", "sft", "teacher"} and size in SIZES:
         return parameter_count(size), hidden_size(size)
+    if not (Path(spec) / "config.json").is_file():
+        raise AnchorRLError(
+            f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
+            f"like random:base; sizes: {', '.join(SIZES)}"
+        )
     config = AutoConfig.from_pretrained(spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

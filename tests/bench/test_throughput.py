@@ -122,6 +122,11 @@ def test_a_model_directory_is_measured_as_its_own_row(tmp_path) -> None:
     assert model_name("random:base") == "random_base"
     assert model_shape(str(model_dir)) == (num_parameters(model), 128)
     assert model_shape("sft:small") == (parameter_count("small"), 256)
+    from anchor_rl.errors import AnchorRLError
+
+    for bad in ("random:huge", str(tmp_path / "missing")):  # named, never a hub lookup
+        with pytest.raises(AnchorRLError, match="neither a model directory"):
+            model_shape(bad)
     out = tmp_path / "tp"
     overrides = [f"model={model_dir}"]
     result = run_throughput_suite(
