@@ -27,6 +27,40 @@ CONTEXTS = [[5, 20, 21, 30, 31, 32, 7], [40, 41], [9, 9, 60, 61, 62], [70, 71, 7
 
 
 REPEATED = [CONTEXTS[0], CONTEXTS[1], CONTEXTS[0], CONTEXTS[0]]  # two samples' prompts
+STEPS = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
+KEEP = [None, None, [0, 1, 3], [0, 2], [1]]  # rows finish: compaction below 3/4 live
+
+
+def _contexts(name: str, contexts, pack: bool, monkeypatch) -> tuple:
+    """``(model, ids, mask, pos)``: model ``name`` in eval mode (every projection packed for
+    oneDNN when ``pack``: the threshold lowered to 1, these weights being below the real
+    one) and the left-padded ``contexts`` with their position ids."""
+    if pack:
+        monkeypatch.setattr(packed, "ENABLED", True)
+        monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
+    ids, mask = left_pad(contexts, TOK.pad_token_id)
+    return MODELS[name].eval(), ids, mask, position_ids(mask)
+
+
+def _steps_agree(fast, slow, pos: torch.Tensor, vocab: int) -> list[int]:
+    """Run :data:`STEPS` with the selections :data:`KEEP` on both prefilled decoders from
+    the contexts' positions ``pos[B, L]``, asserting equal logits (1e-5) at each step;
+    the fast decoder's buffer width at each step."""
+    widths = []
+    pos = pos[:, -1]
+    for tokens, index in zip(STEPS, KEEP, strict=True):
+        if index is not None:
+            index = torch.tensor(index)
+            fast.select(index)
+            slow.select(index)
+            pos = pos[index]
+        pos = pos + 1
+        tokens = torch.tensor(tokens)
+        a, b = fast.step(tokens, pos), slow.step(tokens, pos)
+        widths.append(fast.values[0].shape[2])
+        assert a.shape == b.shape == (len(tokens), vocab)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    return widths
 
 
 @pytest.mark.parametrize("grow", [16, 2], ids=["room", "growing"])  # budget: 8 steps
@@ -41,16 +75,8 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
     for all 8 steps (16) or grow 2 columns at a time (before, between and after the
     compactions)."""
     monkeypatch.setattr(StaticDecoder, "GROW_COLUMNS", grow)
-    widths = []  # the buffers' width at each step
-    if pack:
-        monkeypatch.setattr(packed, "ENABLED", True)
-        monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
-    model = MODELS[name].eval()
-    ids, mask = left_pad(contexts, TOK.pad_token_id)
-    pos = position_ids(mask)
+    model, ids, mask, pos = _contexts(name, contexts, pack, monkeypatch)
     fast, slow = StaticDecoder(model), HFDecoder(model)
-    steps = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
-    keep = [None, None, [0, 1, 3], [0, 2], [1]]  # rows finish: compaction below 3/4 live
     embedded: list[int] = []  # rows the prefill runs through the layers
     hook = model.model.embed_tokens.register_forward_hook(
         lambda _m, args, _out: embedded.append(len(args[0]))
@@ -64,19 +90,7 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
         b = slow.prefill(ids, mask, pos, 8)
         assert embedded == [len({tuple(c) for c in contexts})]  # each context once
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        pos = pos[:, -1]
-        for tokens, index in zip(steps, keep, strict=True):
-            if index is not None:
-                index = torch.tensor(index)
-                fast.select(index)
-                slow.select(index)
-                pos = pos[index]
-            pos = pos + 1
-            tokens = torch.tensor(tokens)
-            a, b = fast.step(tokens, pos), slow.step(tokens, pos)
-            widths.append(fast.values[0].shape[2])
-            assert a.shape == b.shape == (len(tokens), model.config.vocab_size)
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        widths = _steps_agree(fast, slow, pos, model.config.vocab_size)
     length = ids.shape[1]
     if grow == 2:  # 2 columns of room, then 2 more each time the buffers fill
         assert widths == [length + 2, length + 2, length + 4, length + 4, length + 6]
@@ -91,33 +105,16 @@ def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, m
     """The steps ``decode=graph`` captures, run eagerly: whole-budget buffers (zeros where
     nothing is written yet), each step's column given as a tensor and attention over every
     column, through selections and compactions, give the model's own logits."""
-    if pack:
-        monkeypatch.setattr(packed, "ENABLED", True)
-        monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
-    model = MODELS[name].eval()
-    ids, mask = left_pad(contexts, TOK.pad_token_id)
-    pos = position_ids(mask)
+    model, ids, mask, pos = _contexts(name, contexts, pack, monkeypatch)
     fast, slow = StaticDecoder(model, static_shapes=True), HFDecoder(model)
-    steps = [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23], [24]]
-    keep = [None, None, [0, 1, 3], [0, 2], [1]]
     width = ids.shape[1] + 8
     with torch.no_grad():
         torch.testing.assert_close(
             fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8), rtol=0, atol=1e-5
         )
         assert fast.values[0].shape[2] == width and not fast.keys[0][..., -1].any()
-        pos = pos[:, -1]
-        for tokens, index in zip(steps, keep, strict=True):
-            if index is not None:
-                index = torch.tensor(index)
-                fast.select(index)
-                slow.select(index)
-                pos = pos[index]
-            pos = pos + 1
-            tokens = torch.tensor(tokens)
-            a, b = fast.step(tokens, pos), slow.step(tokens, pos)
-            assert fast.values[0].shape[2] == width  # never grown
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        widths = _steps_agree(fast, slow, pos, model.config.vocab_size)
+    assert widths == [width] * len(STEPS)  # never grown
     assert fast.keys[0].shape[0] < len(contexts)  # the buffers were compacted on the way
 
 
