@@ -4,7 +4,7 @@ Usage: ``python scripts/make_hf_model.py OUT [--hidden 2048 --layers 16 --heads 
 --kv-heads 4 --intermediate 5632 --dtype float32 --seed 0 --device cpu]``.
 
 The body has the given shape (the default is TinyLlama-1.1B's width, 16 of its 22 layers:
-~0.8B parameters) and the project's own tokenizer, so the directory loads with
+722M parameters) and the project's own tokenizer, so the directory loads with
 ``from_pretrained(OUT)`` anywhere (``model=OUT`` in a config, a bench or ``anchor-rl serve``)
 and runs the built-in tasks. Nothing is downloaded: the GPU tables of docs/results.md use it as
 "a larger HF-format model" on machines without a hub.
