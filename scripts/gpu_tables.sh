@@ -10,7 +10,7 @@
 #   2. a larger HF-format model: a random Llama body at TinyLlama's width, 16 layers (~0.7B),
 #      written by scripts/make_hf_model.py with the project's tokenizer;
 #   3. anchor-rl's sampler (decode auto and graph) against transformers' generate
-#      (scripts/probe_generate.py), bf16;
+#      (scripts/probe_generate.py), bf16, and on `base` in float32 (the same tokens?);
 #   4. suite throughput: `base` in bf16 (cuDNN attention left out, and allowed), the larger
 #      model in bf16 (decode auto and graph);
 #   5. suite trl on the larger model, bf16, 3 seeds, with decode=graph;
@@ -66,6 +66,9 @@ stage model 60 python3 scripts/make_hf_model.py "$big" --device "$dev" "${model_
 # samples the same tokens as the static decoder (the same seeds)
 stage generate 100 python3 scripts/probe_generate.py "$base" "$big" --device "$dev" \
   --dtype bfloat16 --decodes "auto,graph" --out "$out/generate-bf16.json"
+# in float32 the two decoders' logits agree to ~1e-5, so they should sample the same tokens
+stage generate-fp32 40 python3 scripts/probe_generate.py "$base" --device "$dev" \
+  --dtype float32 --repeats 2 --decodes "auto,graph" --out "$out/generate-fp32.json"
 stage throughput-base-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base-bf16" "model=$base" "${B[@]}"
 # the same with cuDNN's attention allowed in the update (anchor_rl.models.shared_prefix)
