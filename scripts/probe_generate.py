@@ -106,13 +106,12 @@ def measure(
             "tokens_per_call": statistics.mean(counts[side]),
             "tok_s": sum(counts[side]) / sum(seconds[side]),
         }
-    for side in calls:
-        if side.startswith("anchor-rl"):
-            result[side]["generate_over_this"] = (
-                result["transformers"]["s_per_call"] / result[side]["s_per_call"]
-            )
-            first = next(iter(sampled.values()))
-            result[side]["same_tokens_as_first_mode"] = torch.equal(sampled[side], first)
+    first = next(iter(sampled.values()))
+    for side, tokens_sampled in sampled.items():  # the anchor-rl modes
+        result[side]["generate_over_this"] = (
+            result["transformers"]["s_per_call"] / result[side]["s_per_call"]
+        )
+        result[side]["same_tokens_as_first_mode"] = torch.equal(tokens_sampled, first)
     if device.startswith("cuda"):
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         result["device_name"] = torch.cuda.get_device_name()

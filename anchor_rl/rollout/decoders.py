@@ -244,33 +244,35 @@ class StaticDecoder:
         if self.static_shapes:
             logits = self._static_step(tokens, pos, column)
         else:
-            self.keep[:, column] = True
-            bias = _bias(self.keep[:, None, None, : column + 1])
-            hidden = self._layers(
-                self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, column, 1
-            )
-            logits = self._logits(hidden)
+            logits = self._step_at(tokens, pos, column)
         self.column = column + 1
         return logits if len(self.rows) == len(logits) else logits[self.rows]
 
     def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, column: int) -> torch.Tensor:
-        """A step on static shapes: the logits ``[B, V]`` of every buffer row; with
-        ``graphs``, replayed from the graph of the current buffers (captured at their first
-        step)."""
+        """A step on static shapes, its column given as a tensor; with ``graphs``, replayed
+        from the turn's graph (captured at its first step: on static shapes with graphs the
+        buffers neither grow nor compact, so one graph serves the turn)."""
         at = torch.tensor([column], device=tokens.device)
         if not self.graphs:
             return self._step_at(tokens, pos, at)
-        if self._graph is None or not self._graph.serves(self.keys[0], len(tokens)):
-            self._graph = None  # its memory goes before the next capture
-            self._graph = _StepGraph(self._step_at, tokens, pos, at, self.keys[0])
+        if self._graph is None:
+            self._graph = _StepGraph(self._step_at, tokens, pos, at)
         return self._graph.replay(tokens, pos, at)
 
-    def _step_at(self, tokens: torch.Tensor, pos: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """The step of :meth:`step` on static shapes, every operand a tensor: ``tokens[B]``
-        at positions ``pos[B]`` written to column ``at[1]``, attention over every column of
-        the buffers (those not kept masked); logits ``[B, V]``."""
-        self.keep.index_fill_(1, at, True)
-        bias = _bias(self.keep[:, None, None, :])
+    def _step_at(
+        self, tokens: torch.Tensor, pos: torch.Tensor, at: int | torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` of every buffer row after ``tokens[B]`` at positions ``pos[B]``,
+        written to column ``at``: an int attends over the columns up to it; a tensor
+        (``[1]``, static shapes, every operand a tensor) over every column of the buffers,
+        those not kept masked."""
+        if isinstance(at, torch.Tensor):
+            self.keep.index_fill_(1, at, True)
+            seen = self.keep
+        else:
+            self.keep[:, at] = True
+            seen = self.keep[:, : at + 1]
+        bias = _bias(seen[:, None, None, :])
         hidden = self._layers(self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, at, 1)
         return self._logits(hidden)
 
@@ -346,8 +348,7 @@ class StaticDecoder:
 
 
 class _StepGraph:
-    """One decode step captured as a CUDA graph for a set of buffers (``keys`` identifies
-    them: compaction makes new ones) and a batch size.
+    """One decode step captured as a CUDA graph.
 
     ``step(tokens, pos, at)`` must read and write only tensors whose storage stays put
     between replays (the decoder's buffers and keep mask) besides its three arguments,
@@ -363,9 +364,7 @@ class _StepGraph:
         tokens: torch.Tensor,
         pos: torch.Tensor,
         at: torch.Tensor,
-        keys: torch.Tensor,
     ) -> None:
-        self.keys, self.rows = keys, len(tokens)
         self.tokens, self.pos, self.at = tokens.clone(), pos.clone(), at.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -375,10 +374,6 @@ class _StepGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = step(self.tokens, self.pos, self.at)
-
-    def serves(self, keys: torch.Tensor, rows: int) -> bool:
-        """Whether this graph was captured on these buffers for this many rows."""
-        return keys is self.keys and rows == self.rows
 
     def replay(self, tokens: torch.Tensor, pos: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """The step's logits ``[B, V]`` for these inputs (a copy: the graph's output tensor

@@ -134,7 +134,9 @@ def test_workers_the_cluster_cannot_hold_are_refused(ray_local, tokenizer, tiny_
 
 
 def test_an_unknown_decode_mode_is_refused_before_any_worker_starts(tokenizer, tiny_model):
-    with pytest.raises(ValueError, match="decode must be one of auto, static, hf, graph, got 'fast'"):
+    with pytest.raises(
+        ValueError, match="decode must be one of auto, static, hf, graph, got 'fast'"
+    ):
         make_engine("ray", tiny_model, tokenizer, decode="fast")
 
 
