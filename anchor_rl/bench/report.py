@@ -608,6 +608,13 @@ def _mse_section(results: Results, out: Path) -> list[Block]:
     return blocks
 
 
+def _result_label(root: Path, roots: Sequence[Path]) -> str:
+    """A result's name: its directory's, ``parent/name`` where another of ``roots`` (the
+    results of its kind) has the same name."""
+    twins = sum(r.name == root.name for r in roots) > 1
+    return f"{root.parent.name}/{root.name}" if twins else root.name
+
+
 def _copied_plot(
     source: Path, out: Path, stem: str, root: Path, roots: Sequence[Path], alt: str
 ) -> list[Block]:
@@ -617,15 +624,14 @@ def _copied_plot(
     the suite did not write it."""
     if not source.is_file():
         return []
-    twins = sum(r.name == root.name for r in roots) > 1
-    label = f"{root.parent.name}_{root.name}" if twins else root.name
+    label = _result_label(root, roots).replace("/", "_")
     name = f"{stem}_{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.png"
     shutil.copyfile(source, out / name)
     return [("img", (name, alt))]
 
 
 def _trl_section(results: Results, out: Path) -> list[Block]:
-    from anchor_rl.bench.trl_compare import FIGURES, figure_digits
+    from anchor_rl.bench.trl_compare import FIGURES, figure_digits, partial_note
 
     blocks: list[Block] = [("h2", "anchor-rl beside TRL")]
     if not results.trl:
@@ -634,7 +640,8 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
         summary, ratio, s = payload["summary"], payload["ratios"], payload["settings"]
         host, precision = payload["host"], s.get("precision", "fp32")
         if len(results.trl) > 1:
-            blocks.append(("h3", f"`{root.name}`: `{s['model']}`, {precision}"))
+            name = _result_label(root, [r for r, _ in results.trl])
+            blocks.append(("h3", f"`{name}`: `{s['model']}`, {precision}"))
         blocks.append(
             (
                 "p",
@@ -646,6 +653,7 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
                 f"`{payload['command']}`.",
             )
         )
+        blocks += [("p", text) for text in partial_note(payload) if text]
         rows = []
         for key, label in FIGURES.items():
             ours, theirs = summary["anchor-rl"].get(key), summary["trl"].get(key)
@@ -688,7 +696,7 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
     for root, payload in results.throughput:
         host, s = payload["host"], payload["settings"]
         if len(results.throughput) > 1:
-            blocks.append(("h3", f"`{root.name}`"))
+            blocks.append(("h3", f"`{_result_label(root, [r for r, _ in results.throughput])}`"))
         blocks.append(
             (
                 "p",

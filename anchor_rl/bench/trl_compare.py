@@ -81,7 +81,8 @@ SCALE_REWARDS = {"grpo": "group", "drgrpo": "none"}
 DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
     (
         "sampler",
-        "own loop with a static KV cache (`decode=auto`); finished rows leave the batch",
+        "own loop with a static KV cache (`decode=auto`: eager on the CPU, where finished "
+        "rows leave the batch; on a GPU each step a CUDA graph replay, finished rows kept)",
         "`model.generate`; finished rows are padded until the longest ends",
         "each library's generation path; same temperature, top-p, budget and stop tokens",
     ),
@@ -361,8 +362,11 @@ def run_trl_suite(
     _check_task(specs[0].config)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {f: [] for f in FRAMEWORKS}
+    command = command_line("trl", out, seeds, steps, overrides, profile)
+    planned = [spec.seed for spec in specs]
     total = 2 * len(specs)
     done = 0
+    written: dict[str, Any] = {}
     for k, spec in enumerate(specs):
         order = FRAMEWORKS if k % 2 == 0 else FRAMEWORKS[::-1]
         for framework in order:
@@ -371,11 +375,48 @@ def run_trl_suite(
             echo(f"[{done}/{total}] {framework} seed {spec.seed} -> {run_dir}")
             results[framework].append(_run_once(framework, spec.config, run_dir))
         _evaluate_seed(spec, out, results)
+        # after every seed, so a comparison cut short leaves the summary of its seeds
+        written = _write(out, specs[0].config, results, command, planned)
+    return written
+
+
+def rewrite_summary(
+    out: Path, command: str, planned: Sequence[int] | None = None, note: str = ""
+) -> dict[str, Any]:
+    """Summarise the finished runs in ``out`` again (``trl_compare.json`` / ``.md``, the
+    plot), e.g. of a comparison stopped before its last seed: seeds that only one trainer
+    finished are left out, and the summary names them. ``command`` is the one the runs came
+    from; ``planned`` its seeds (default: those with a finished run); ``note`` a sentence
+    for the summary (e.g. what the runs' code did differently from today's).
+
+    Returns ``{"summary_json", "summary_md", "plots"}`` paths, like the suite."""
+    results: dict[str, list[dict[str, Any]]] = {f: [] for f in FRAMEWORKS}
     for framework in FRAMEWORKS:
-        results[framework].sort(key=lambda r: r["config"]["seed"])
-    return _write(
-        out, specs[0].config, results, command_line("trl", out, seeds, steps, overrides, profile)
-    )
+        for path in sorted((out / framework).glob(f"seed*/{RESULT_FILE}")):
+            results[framework].append(json.loads(path.read_text()))
+    paired, _ = _paired(results)
+    if not paired["trl"]:
+        raise ValueError(f"{out} holds no seed that both trainers finished")
+    seeds = {r["config"]["seed"] for runs in results.values() for r in runs}
+    cfg = build_config(paired["anchor-rl"][0]["config"])
+    seeds = sorted(planned if planned is not None else seeds)
+    return _write(out, cfg, results, command, seeds, note)
+
+
+def _paired(
+    results: dict[str, list[dict[str, Any]]],
+) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """The runs of the seeds both trainers finished (each framework's in seed order), and
+    the others as ``framework seed N``."""
+    by_seed = {f: {r["config"]["seed"]: r for r in runs} for f, runs in results.items()}
+    both = sorted(set.intersection(*(set(runs) for runs in by_seed.values())))
+    alone = [
+        f"{f} seed {seed}"
+        for f, runs in by_seed.items()
+        for seed in sorted(runs)
+        if seed not in both
+    ]
+    return {f: [runs[seed] for seed in both] for f, runs in by_seed.items()}, alone
 
 
 def _check_task(cfg: TrainConfig) -> None:
@@ -722,8 +763,15 @@ def ratios(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str,
 
 
 def _write(
-    out: Path, cfg: TrainConfig, results: dict[str, list[dict[str, Any]]], command: str
+    out: Path,
+    cfg: TrainConfig,
+    results: dict[str, list[dict[str, Any]]],
+    command: str,
+    planned: Sequence[int],
+    note: str = "",
 ) -> dict[str, Any]:
+    """Summarise the seeds both trainers finished (of the ``planned`` ones)."""
+    results, alone = _paired(results)
     summary = summarise(results)
     mapped = grpo_config_kwargs(cfg, "")
     host = results["trl"][0]["host"]
@@ -733,6 +781,9 @@ def _write(
         "trl_version": results["trl"][0]["version"],
         "host": host,
         "seeds": [r["config"]["seed"] for r in results["anchor-rl"]],
+        "seeds_planned": list(planned),
+        "unpaired": alone,
+        "note": note,
         "settings": _settings(cfg),
         "grpo_config": {k: v for k, v in mapped.items() if k != "output_dir"},
         "differences": [list(d) for d in DIFFERENCES],
@@ -791,6 +842,22 @@ def _decode_note(decode: str) -> str:
     return f" anchor-rl samples with `rollout.engine_args.decode={decode}`."
 
 
+def partial_note(payload: dict[str, Any]) -> list[str]:
+    """The payload's note, and a paragraph when fewer seeds were summarised than planned."""
+    planned = payload.get("seeds_planned", payload["seeds"])
+    note = [payload["note"], ""] if payload.get("note") else []
+    if list(planned) == list(payload["seeds"]):
+        return note
+    left = ", ".join(payload.get("unpaired", [])) or "none"
+    return [
+        *note,
+        f"**Partial**: {len(payload['seeds'])} of the {len(planned)} planned seeds "
+        f"({', '.join(map(str, planned))}) finished with both trainers; finished runs left "
+        f"out for want of their pair: {left}.",
+        "",
+    ]
+
+
 def markdown(payload: dict[str, Any]) -> str:
     """The comparison as markdown: figures with ratios, settings, the mapping, the differences."""
     summary, ratio, host = payload["summary"], payload["ratios"], payload["host"]
@@ -814,6 +881,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "`evaluate_model` call for both final models."
         + _decode_note(s.get("anchor_rl_decode", "auto")),
         "",
+        *partial_note(payload),
         "Mean ± half-width of the 95% Student-t interval over seeds; the last column pairs "
         "the two runs of each seed (they ran back to back). Wall-clock figures were taken on "
         "a shared machine; the ratio is the comparable number.",

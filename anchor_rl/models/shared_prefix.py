@@ -184,9 +184,9 @@ SDPA_CUDNN = os.environ.get("ANCHOR_RL_SDPA_CUDNN", "off").lower() in ("1", "on"
 """Whether this module's attention may use cuDNN's backend on CUDA (off unless the
 environment sets ``ANCHOR_RL_SDPA_CUDNN=on``). PyTorch may pick cuDNN for bfloat16 on
 Hopper GPUs, and cuDNN builds an execution plan for each new shape (hundreds of ms each);
-the buckets' shapes change from step to step. On an H200 the bf16 update took 0.4-0.7 s
-with stalls of 2.4-8 s where the float32 one took 0.12 s (docs/results.md, "On a GPU");
-that cuDNN is the cause is what this switch lets the next GPU run measure."""
+the buckets' shapes change from step to step. On an H100, ``base``'s bf16 update stalled
+for 5.5-6.5 s at some steps with cuDNN allowed, and took 0.27-0.30 s at every step after
+the first without it (docs/results.md, "On a GPU (NVIDIA H100)")."""
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

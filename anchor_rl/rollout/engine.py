@@ -205,8 +205,8 @@ class HFEngine:
     max_batch: most responses generated together (rows beyond it run in further chunks;
     the KV cache of one chunk is the memory peak).
     decode: the forward pass of generation (:mod:`anchor_rl.rollout.decoders`): ``auto``
-    (a static KV cache for Llama-architecture models, the model's own forward for others),
-    ``static`` or ``hf``.
+    (a static KV cache for Llama-architecture models, its steps replayed as CUDA graphs on
+    a GPU; the model's own forward for others), ``static``, ``graph`` or ``hf``.
     precision: ``model`` samples with the model's own parameters; ``bf16`` from a copy
     whose parameters are bfloat16 (as inference servers hold them; buffers such as the
     rotary frequencies stay float32, and the sampler's softmax runs in float32). The copy

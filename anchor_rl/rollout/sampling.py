@@ -160,8 +160,8 @@ def generate_turn(
     seeds, counters: B ints each: row i's t-th token of this turn is drawn with
         ``uniforms(seeds[i], counters[i] + t)`` (the counter continues across turns).
     decode: the forward pass (:func:`~anchor_rl.rollout.decoders.decoder_for`): ``auto``
-        runs Llama-architecture models with a static KV cache, others with their own
-        ``forward``; ``hf`` and ``static`` force one.
+        runs Llama-architecture models with a static KV cache (CUDA graphs on a GPU),
+        others with their own ``forward``; ``hf``, ``static`` and ``graph`` force one.
     Rows that finish are dropped from the batch (and from the KV cache), so the others
     do not pay for them. Returns one ``Turn`` per row, in order.
     """

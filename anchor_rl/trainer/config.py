@@ -68,7 +68,7 @@ class RolloutConfig(_Section):
     rollout goes through it; each response is seeded by (seed, stream, prompt, sample index)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Options of the engine's factory (for `hf`: `max_batch=64`, responses generated together;
-    `decode=auto|static|hf|graph`, the decoding forward pass (`graph`: CUDA graphs, experimental); `precision=model|bf16`, `bf16` samples
+    `decode=auto|static|hf|graph`, the decoding forward pass (`auto`: `graph`, CUDA graphs, on a GPU, `static` on the CPU); `precision=model|bf16`, `bf16` samples
     from a bfloat16 copy of the weights; docs/models.md)."""
 
     @field_validator("engine")

@@ -176,6 +176,21 @@ def test_suite_plots_are_named_after_their_directories(bench, tmp_path) -> None:
     for png in ("trl_reward_vs_step_runs_trl", "trl_reward_vs_step_gpu-box_trl"):
         assert (out / f"{png}.png").is_file() and f"]({png}.png)" in md
     assert not list(out.glob("trl_reward_vs_step_trl*.png"))
+    # and so are their sections
+    assert "### `runs/trl`: `sft:tiny`" in md and "### `gpu-box/trl`: `sft:tiny`" in md
+
+
+def test_a_partial_trl_comparison_says_so_in_the_report(bench, tmp_path) -> None:
+    path = bench / "trl" / "trl_compare.json"
+    payload = json.loads(path.read_text())
+    payload |= {"seeds_planned": [0, 1], "unpaired": ["anchor-rl seed 1"], "note": "A note."}
+    path.write_text(json.dumps(payload))
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["report", str(bench), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert "A note.\n\n**Partial**: 1 of the 2 planned seeds (0, 1)" in md
+    assert "left out for want of their pair: anchor-rl seed 1." in md
 
 
 def test_report_files_and_offline_html(bench, tmp_path) -> None:

@@ -220,3 +220,38 @@ def test_a_decoder_other_than_the_default_is_named_in_the_summary(tmp_path) -> N
     assert _settings(default.config)["anchor_rl_decode"] == "auto"
     assert _decode_note("auto") == ""
     assert "`rollout.engine_args.decode=graph`" in _decode_note("graph")
+
+
+def test_a_comparison_cut_short_is_summarised_over_the_seeds_both_trainers_finished(
+    tmp_path,
+) -> None:
+    from anchor_rl.bench.runner import plan
+    from anchor_rl.bench.trl_compare import TRL_SUITE, rewrite_summary
+
+    specs = plan(TRL_SUITE, tmp_path, seeds=[0, 1, 2])
+    host = {"device": "cpu", "device_name": "test", "torch_threads": 1, "versions": {}}
+    finished = {"anchor-rl": [0, 1, 2], "trl": [0, 1]}  # TRL's seed 2 was cut off
+    for framework, seeds in finished.items():
+        for spec in specs:
+            if spec.seed not in seeds:
+                continue
+            slow = 2.0 if framework == "trl" else 1.0
+            run = _result([slow * (spec.seed + 1)] * 2, [10.0, 10.0], [0.0, 0.0], 500.0, 0.5)
+            run |= {"config": spec.config.model_dump(mode="json"), "host": host}
+            run |= {"version": "1.0", "wall_s": 1.0, "framework": framework}
+            folder = tmp_path / framework / f"seed{spec.seed}"
+            folder.mkdir(parents=True)
+            (folder / "result.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match="no seed that both trainers finished"):
+        rewrite_summary(tmp_path / "anchor-rl", "cmd")
+    note = "These runs predate a change."
+    result = rewrite_summary(tmp_path, "anchor-rl bench trl --seeds 0,1,2", [0, 1, 2], note)
+    payload = json.loads(result["summary_json"].read_text())
+    assert payload["seeds"] == [0, 1] and payload["seeds_planned"] == [0, 1, 2]
+    assert payload["unpaired"] == ["anchor-rl seed 2"]
+    assert payload["ratios"]["s_per_step"]["values"] == [2.0, 2.0]
+    assert payload["summary"]["anchor-rl"]["s_per_step"]["values"] == [1.0, 2.0]
+    text = result["summary_md"].read_text()
+    assert "**Partial**: 2 of the 3 planned seeds (0, 1, 2)" in text and note in text
+    assert "left out for want of their pair: anchor-rl seed 2" in text
+    assert "Command: `anchor-rl bench trl --seeds 0,1,2`" in text

@@ -3,6 +3,8 @@ grouped-query attention, attention biases, row selection; the choice of decoder.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from helpers import llama_variants
@@ -17,6 +19,7 @@ from anchor_rl.models import packed
 from anchor_rl.models.packed import PackedLinears
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.rollout import decoders
 from anchor_rl.rollout.decoders import HFDecoder, StaticDecoder, decoder_for, static_unsupported
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
@@ -152,6 +155,88 @@ def test_graph_decoding_needs_a_cuda_model() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(TOK)))
     with pytest.raises(ValueError, match="decode=graph cannot run GPT2LMHeadModel"):
         decoder_for(gpt2, "graph")
+
+
+class EagerGraph:
+    """``_StepGraph``'s contract on the CPU: inputs copied into the graph's own tensors, the
+    step run on those at every replay, and the buffers it wrote at capture the ones every
+    replay writes (a real graph keeps writing the storage it was captured on)."""
+
+    made: list[EagerGraph] = []
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return True
+
+    def __init__(self, step, tokens, pos, at) -> None:
+        self.step, self.replays = step, 0
+        self.tokens, self.pos, self.at = tokens.clone(), pos.clone(), at.clone()
+        step(self.tokens, self.pos, self.at)  # the warm-up run before a capture
+        self.storage = self._storage()
+        EagerGraph.made.append(self)
+
+    def _storage(self) -> list[int]:
+        decoder = self.step.__self__
+        return [t.data_ptr() for t in [decoder.keep, *decoder.keys, *decoder.values]]
+
+    def replay(self, tokens, pos, at) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.pos.copy_(pos)
+        self.at.copy_(at)
+        assert self._storage() == self.storage, "the buffers moved after the capture"
+        self.replays += 1
+        return self.step(self.tokens, self.pos, self.at).clone()
+
+
+class FailingCapture(EagerGraph):
+    def __init__(self, step, tokens, pos, at) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _turns(mode: str) -> list:
+    model = MODELS["tiny"].eval()
+    stops = StopSet.build(TOK, [], eos_ids(model, TOK))
+    n = 4 * len(CONTEXTS)
+    budgets = [30, 5, 17, 30] * 4
+    return generate_turn(
+        model, TOK, CONTEXTS * 4, budgets, 1.0, 1.0, stops, list(range(n)), [0] * n, decode=mode
+    )
+
+
+def _same_turns(fast: list, slow: list) -> None:
+    for a, b in zip(fast, slow, strict=True):
+        assert a.tokens == b.tokens and a.stop == b.stop
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_graph_decoding_captures_once_a_turn_and_samples_the_static_tokens(monkeypatch) -> None:
+    """decode=graph's bookkeeping with the capture stood in for (``EagerGraph``): one
+    capture at the turn's first step, every later step a replay on the graph's own inputs
+    with the buffers it was captured on, and the tokens of decode=static."""
+    monkeypatch.setattr(decoders, "_StepGraph", EagerGraph)
+    monkeypatch.setattr(EagerGraph, "made", [])
+    graph = _turns("graph")
+    _same_turns(graph, _turns("static"))
+    (made,) = EagerGraph.made
+    longest = max(len(t.tokens) for t in graph)
+    assert made.replays == longest - 1  # the prefill samples the first token
+
+
+def test_auto_decodes_with_graphs_where_they_run_and_eagerly_after_a_failed_capture(
+    monkeypatch,
+) -> None:
+    model = MODELS["tiny"].eval()
+    assert not decoder_for(model).graphs  # on the CPU auto is static
+    monkeypatch.setattr(decoders, "_CAPTURE_FAILED", weakref.WeakSet())
+    monkeypatch.setattr(decoders, "_StepGraph", FailingCapture)  # a device that replays graphs
+    auto = decoder_for(model)
+    assert auto.graphs and auto.eager_if_capture_fails
+    with pytest.warns(RuntimeWarning, match="decoding without graphs"):
+        turns = _turns("auto")
+    _same_turns(turns, _turns("static"))
+    assert not decoder_for(model).graphs  # the model decodes eagerly from then on
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        _turns("graph")  # asked for by name, a failed capture is an error
 
 
 def test_generate_turn_samples_the_same_tokens_with_either_decoder() -> None:
