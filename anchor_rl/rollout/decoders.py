@@ -37,6 +37,7 @@ error.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable
@@ -83,6 +84,9 @@ class HFDecoder:
         self.model = model
         self.cache = None
         self.mask: torch.Tensor | None = None
+        # transformers 5.2x renamed the forward's and output's ``past_key_values`` to
+        # ``cache`` (the old name warns, and goes in 5.40); earlier 5.x know only the old one
+        self.cache_name = cache_argument(model)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
@@ -90,7 +94,7 @@ class HFDecoder:
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
         )
-        self.cache, self.mask = out.past_key_values, mask
+        self.cache, self.mask = getattr(out, self.cache_name), mask
         return out.logits[:, -1, :]
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -99,14 +103,21 @@ class HFDecoder:
             input_ids=tokens[:, None],
             attention_mask=self.mask,
             position_ids=pos[:, None],
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_name: self.cache},
         )
         return out.logits[:, -1, :]
 
     def select(self, index: torch.Tensor) -> None:
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name of the key/value cache in ``model``'s forward and output: ``cache`` where
+    its transformers has it, else ``past_key_values``."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def static_unsupported(model: PreTrainedModel) -> str | None:

@@ -3,6 +3,7 @@ grouped-query attention, attention biases, row selection; the choice of decoder.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import pytest
@@ -20,7 +21,13 @@ from anchor_rl.models.packed import PackedLinears
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout import decoders
-from anchor_rl.rollout.decoders import HFDecoder, StaticDecoder, decoder_for, static_unsupported
+from anchor_rl.rollout.decoders import (
+    HFDecoder,
+    StaticDecoder,
+    cache_argument,
+    decoder_for,
+    static_unsupported,
+)
 from anchor_rl.rollout.engine import HFEngine
 from anchor_rl.rollout.sampling import StopSet, eos_ids, generate_turn
 
@@ -289,3 +296,22 @@ def test_decoder_choice_falls_back_or_names_why() -> None:
     sliding.model_type = "mistral"
     sliding.sliding_window = 16
     assert "sliding-window" in static_unsupported(LlamaForCausalLM(sliding))
+
+
+def test_the_hf_decoder_passes_the_cache_under_the_name_its_transformers_uses() -> None:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns); a
+    forward that knows only the old name (earlier 5.x, the scripted test model) gets it."""
+    model = MODELS["tiny"].eval()
+    stops = StopSet.build(TOK, [], eos_ids(model, TOK))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        turns = generate_turn(
+            model, TOK, CONTEXTS, [6] * 4, 1.0, 1.0, stops, [0] * 4, [0] * 4, "hf"
+        )
+    static = generate_turn(model, TOK, CONTEXTS, [6] * 4, 1.0, 1.0, stops, [0] * 4, [0] * 4)
+    assert [t.tokens for t in turns] == [t.tokens for t in static]
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None): ...
+
+    assert cache_argument(OldForward()) == "past_key_values"
