@@ -397,10 +397,10 @@ def rewrite_summary(
     paired, _ = _paired(results)
     if not paired["trl"]:
         raise ValueError(f"{out} holds no seed that both trainers finished")
-    seeds = {r["config"]["seed"] for runs in results.values() for r in runs}
+    if planned is None:
+        planned = {r["config"]["seed"] for runs in results.values() for r in runs}
     cfg = build_config(paired["anchor-rl"][0]["config"])
-    seeds = sorted(planned if planned is not None else seeds)
-    return _write(out, cfg, results, command, seeds, note)
+    return _write(out, cfg, results, command, sorted(planned), note)
 
 
 def _paired(

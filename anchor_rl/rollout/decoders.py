@@ -29,8 +29,8 @@ buffers get the whole budget's columns at the prefill, a step writes its column 
 (unwritten ones masked), and finished rows stay in the buffers (no compaction), so one graph
 captured at the turn's first step serves all its steps. On a GPU a decode step of a small
 model is bound by launching its few hundred kernels one by one; a graph launches them at
-once (on an H100, 4.0-4.9x the eager decoder's tokens/s and 4.5-4.9x ``transformers``'
-``generate``, docs/results.md, "On a GPU"). Under ``auto`` a capture that fails is reported
+once (on an H100, 3.6-4.5x the eager decoder's speed and 4.0-4.9x ``transformers``'
+``generate``'s, docs/results.md, "On a GPU (NVIDIA H100)"). Under ``auto`` a capture that fails is reported
 as a warning and the model decodes without graphs from then on; under ``graph`` it is an
 error.
 """
