@@ -125,7 +125,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--decodes", default="auto", help="anchor-rl decode modes, comma-separated (auto,graph)"
+        "--decodes",
+        default="auto",
+        help="anchor-rl decode modes, comma-separated (e.g. static,graph; auto is graph on a GPU)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

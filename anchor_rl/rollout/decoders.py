@@ -25,9 +25,10 @@ reduction order of the attention over a longer, masked key axis), pinned in the 
 ``decode="graph"`` (CUDA only; what ``auto`` picks for a supported model on CUDA) runs
 the static decoder with static shapes and replays each decode step as a CUDA graph: the
 buffers get the whole budget's columns at the prefill, a step writes its column with
-``index_copy_`` at a column held in a device tensor and attends over every column
-(unwritten ones masked), and finished rows stay in the buffers (no compaction), so one graph
-captured at the turn's first step serves all its steps. On a GPU a decode step of a small
+``index_copy_`` at a column held in a device tensor and attends over its span (the first
+128, 256, 512, ... columns, the smallest past it; unwritten ones masked), and finished rows
+stay in the buffers (no compaction), so one graph per span, captured at the span's first
+step, serves all its steps. On a GPU a decode step of a small
 model is bound by launching its few hundred kernels one by one; a graph launches them at
 once (on an H100, 3.6-4.5x the eager decoder's speed and 4.0-4.9x ``transformers``'
 ``generate``'s, docs/results.md, "On a GPU (NVIDIA H100)"). Under ``auto`` a capture that fails is reported
@@ -37,6 +38,7 @@ error.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -169,6 +171,10 @@ class StaticDecoder:
     COMPACT_BELOW = 0.75
     """Compact the buffers once fewer than this share of their rows is live."""
 
+    SPAN_COLUMNS = 128
+    """On static shapes (``decode=graph``) a step attends over the first 128, 256, 512, ...
+    columns (:meth:`span`)."""
+
     GROW_COLUMNS = 8
     """Columns of room the buffers get at a time (at prefill, and whenever they fill): on
     the CPU, 4, 8 and 16 sample a GRPO step's rollout equally fast within noise, all
@@ -199,11 +205,11 @@ class StaticDecoder:
         self.column = 0  # next column to write
         self.linear: Linear = plain  # the turn's projections (packed weights, see prefill)
         # static shapes: whole-budget buffers, a step's column in a tensor, attention over
-        # every column; graphs: each step replayed from a CUDA graph (on those shapes)
+        # its span of columns; graphs: each step replayed from a CUDA graph of its span
         self.graphs = graphs
         self.static_shapes = static_shapes or graphs
         self.eager_if_capture_fails = eager_if_capture_fails  # else a failed capture raises
-        self._graph: _StepGraph | None = None
+        self._graphs: dict[int, _StepGraph] = {}  # by span (columns attended)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
@@ -217,7 +223,7 @@ class StaticDecoder:
                 f"decode=graph replays CUDA graphs, but the model is on {device}; "
                 "use decode=auto or static"
             )
-        self._graph = None
+        self._graphs = {}
         self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
@@ -278,15 +284,17 @@ class StaticDecoder:
         return logits if len(self.rows) == len(logits) else logits[self.rows]
 
     def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, column: int) -> torch.Tensor:
-        """A step on static shapes, its column given as a tensor; with ``graphs``, replayed
-        from the turn's graph (captured at its first step: on static shapes with graphs the
-        buffers neither grow nor compact, so one graph serves the turn)."""
-        at = torch.tensor([column], device=tokens.device)
+        """A step on static shapes, its column given as a tensor, attending over the first
+        :meth:`span` columns; with ``graphs``, replayed from the graph of that span (captured
+        at its first step: with graphs the buffers neither grow nor compact, so one graph
+        per span serves the turn)."""
+        at, span = torch.tensor([column], device=tokens.device), self.span(column)
         if not self.graphs:
-            return self._step_at(tokens, pos, at)
-        if self._graph is None:
+            return self._step_at(tokens, pos, at, span)
+        graph = self._graphs.get(span)
+        if graph is None:
             try:
-                self._graph = _StepGraph(self._step_at, tokens, pos, at)
+                graph = _StepGraph(functools.partial(self._step_at, span=span), tokens, pos, at)
             except RuntimeError as error:
                 if not self.eager_if_capture_fails:
                     raise
@@ -300,19 +308,35 @@ class StaticDecoder:
                 )
                 self.graphs = False
                 _CAPTURE_FAILED.add(self.model)
-                return self._step_at(tokens, pos, at)
-        return self._graph.replay(tokens, pos, at)
+                return self._step_at(tokens, pos, at, span)
+            self._graphs[span] = graph
+        return graph.replay(tokens, pos, at)
+
+    def span(self, column: int) -> int:
+        """The columns a static-shape step at ``column`` attends over: the smallest of
+        ``SPAN_COLUMNS`` times a power of two that is past ``column``, at most the buffers'
+        width. A step reads ``span`` columns of every row's keys and values, so a turn
+        whose budget is far above its lengths reads at most about twice what it wrote,
+        for one graph per span (a few for a long budget)."""
+        span = self.SPAN_COLUMNS
+        while span <= column:
+            span *= 2
+        return min(span, self.values[0].shape[2])
 
     def _step_at(
-        self, tokens: torch.Tensor, pos: torch.Tensor, at: int | torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        at: int | torch.Tensor,
+        span: int | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, V]`` of every buffer row after ``tokens[B]`` at positions ``pos[B]``,
         written to column ``at``: an int attends over the columns up to it; a tensor
-        (``[1]``, static shapes, every operand a tensor) over every column of the buffers,
-        those not kept masked."""
+        (``[1]``, static shapes, every operand a tensor) over the first ``span`` columns of
+        the buffers, those not kept masked."""
         if isinstance(at, torch.Tensor):
             self.keep.index_fill_(1, at, True)
-            seen = self.keep
+            seen = self.keep[:, :span]
         else:
             self.keep[:, at] = True
             seen = self.keep[:, : at + 1]
@@ -352,13 +376,14 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """Run every decoder layer on ``hidden[B, n, H]`` at positions ``pos[B, n]``,
         writing keys and values to columns ``start .. start + n``; ``bias[B, 1, n, K]``
-        (0 or -inf) says which of the first ``K = start + n`` columns each query sees. A
-        tensor ``start`` (``[1]``, with ``n = 1``) is the static-shape step: its column is
-        written in place and every column of the buffers is attended (``K`` their width)."""
+        (0 or -inf) says which of the first ``K`` columns each query sees (``K = start + n``
+        for an int ``start``). A tensor ``start`` (``[1]``, with ``n = 1``) is the
+        static-shape step: its column is written in place, and ``K`` is its span."""
         b = hidden.shape[0]
         cos, sin = self.inner.rotary_emb(hidden, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
         static = isinstance(start, torch.Tensor)
+        end = bias.shape[-1]  # the columns attended
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
         for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
@@ -367,11 +392,9 @@ class StaticDecoder:
             if static:
                 keys.index_copy_(3, start, k.permute(0, 2, 3, 1))
                 values.index_copy_(2, start, v.transpose(1, 2))
-                end = width
             else:
-                end = start + n
-                keys[..., start:end] = k.permute(0, 2, 3, 1)
-                values[:, :, start:end] = v.transpose(1, 2)
+                keys[..., start : start + n] = k.permute(0, 2, 3, 1)
+                values[:, :, start : start + n] = v.transpose(1, 2)
             # batched matmuls on column slices of the buffers (no copy of the cache):
             # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
             k_seen = keys.view(b * kv_heads, d, width)[..., :end]

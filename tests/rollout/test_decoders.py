@@ -108,13 +108,16 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
         assert widths == [length + 8] * 5
 
 
+@pytest.mark.parametrize("span", [128, 4], ids=["one-span", "spans"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, monkeypatch):
+def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, span, monkeypatch):
     """The steps ``decode=graph`` captures, run eagerly: whole-budget buffers (zeros where
-    nothing is written yet), each step's column given as a tensor and attention over every
-    column, through selections and compactions, give the model's own logits."""
+    nothing is written yet), each step's column given as a tensor and attention over its
+    span of columns (the whole width, or 8 then 16 of 15 with spans of 4), through
+    selections and compactions, give the model's own logits."""
+    monkeypatch.setattr(StaticDecoder, "SPAN_COLUMNS", span)
     model, ids, mask, pos = _contexts(name, contexts, pack, monkeypatch)
     fast, slow = StaticDecoder(model, static_shapes=True), HFDecoder(model)
     width = ids.shape[1] + 8
@@ -183,7 +186,7 @@ class EagerGraph:
         EagerGraph.made.append(self)
 
     def _storage(self) -> list[int]:
-        decoder = self.step.__self__
+        decoder = self.step.func.__self__  # step: functools.partial(decoder._step_at, span=...)
         return [t.data_ptr() for t in [decoder.keep, *decoder.keys, *decoder.values]]
 
     def replay(self, tokens, pos, at) -> torch.Tensor:
@@ -216,17 +219,26 @@ def _same_turns(fast: list, slow: list) -> None:
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-def test_graph_decoding_captures_once_a_turn_and_samples_the_static_tokens(monkeypatch) -> None:
+@pytest.mark.parametrize("span", [128, 8])
+def test_graph_decoding_captures_once_a_span_and_samples_the_static_tokens(
+    span, monkeypatch
+) -> None:
     """decode=graph's bookkeeping with the capture stood in for (``EagerGraph``): one
-    capture at the turn's first step, every later step a replay on the graph's own inputs
-    with the buffers it was captured on, and the tokens of decode=static."""
+    capture at the first step of each span (one for the turn when its budget fits in 128
+    columns; with spans of 8, 16, 32, ... columns, one for each), every step a replay on
+    the graph's own inputs with the buffers it was captured on, and the tokens of
+    decode=static."""
     monkeypatch.setattr(decoders, "_StepGraph", EagerGraph)
     monkeypatch.setattr(EagerGraph, "made", [])
+    monkeypatch.setattr(StaticDecoder, "SPAN_COLUMNS", span)
     graph = _turns("graph")
     _same_turns(graph, _turns("static"))
-    (made,) = EagerGraph.made
-    longest = max(len(t.tokens) for t in graph)
-    assert made.replays == longest - 1  # the prefill samples the first token
+    context = max(map(len, CONTEXTS))  # left-padded: every row starts writing here
+    width = context + 30  # the longest budget
+    columns = range(context, context + max(len(t.tokens) for t in graph) - 1)
+    spans = {min(width, next(span * 2**k for k in range(8) if span * 2**k > c)) for c in columns}
+    assert len(EagerGraph.made) == len(spans) == (1 if span == 128 else 4)
+    assert sum(g.replays for g in EagerGraph.made) == len(columns)
 
 
 def test_auto_decodes_with_graphs_where_they_run_and_eagerly_after_a_failed_capture(
@@ -315,3 +327,14 @@ def test_the_hf_decoder_passes_the_cache_under_the_name_its_transformers_uses() 
         def forward(self, input_ids, past_key_values=None): ...
 
     assert cache_argument(OldForward()) == "past_key_values"
+
+
+def test_a_static_shape_step_attends_over_a_power_of_two_span_of_columns() -> None:
+    model = MODELS["tiny"].eval()
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    decoder = StaticDecoder(model, static_shapes=True)
+    with torch.no_grad():
+        decoder.prefill(ids, mask, position_ids(mask), 993)  # 1,000 columns wide
+    assert decoder.values[0].shape[2] == 1000
+    spans = [decoder.span(c) for c in (0, 7, 127, 128, 255, 256, 511, 512, 999)]
+    assert spans == [128, 128, 128, 256, 256, 512, 512, 1000, 1000]
