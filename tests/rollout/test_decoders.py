@@ -259,27 +259,9 @@ def test_auto_decodes_with_graphs_where_they_run_and_eagerly_after_a_failed_capt
 
 
 def test_generate_turn_samples_the_same_tokens_with_either_decoder() -> None:
-    model = MODELS["tiny"].eval()
-    stops = StopSet.build(TOK, [], eos_ids(model, TOK))
-    turns = {
-        mode: generate_turn(
-            model,
-            TOK,
-            CONTEXTS * 4,
-            [30, 5, 17, 30] * 4,
-            1.0,
-            1.0,
-            stops,
-            list(range(16)),
-            [0] * 16,
-            decode=mode,
-        )  # fmt: skip
-        for mode in ("static", "hf")
-    }
-    for fast, slow in zip(turns["static"], turns["hf"], strict=True):
-        assert fast.tokens == slow.tokens and fast.stop == slow.stop
-        assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
-    assert sorted({len(t.tokens) for t in turns["static"]}) != [30]  # rows ended apart
+    static = _turns("static")
+    _same_turns(static, _turns("hf"))
+    assert sorted({len(t.tokens) for t in static}) != [30]  # rows ended apart
 
 
 def test_static_cache_refuses_a_step_past_its_budget() -> None:
