@@ -40,6 +40,9 @@ from anchor_rl.trainer.config import ConfigError, TrainConfig, build_config
 
 INSTALL_HINT = 'pip install -e ".[compare]"'
 RESULT_FILE = "result.json"
+RUN_KEYS = ("config", "steps", "wall_s", "process_s", "memory", "eval")
+"""What the summary keeps of each run's ``result.json`` (``process_s``: the run's whole
+process, start to exit, as the suite timed it; missing in runs from before it did)."""
 FRAMEWORKS = ("anchor-rl", "trl")
 
 TRL_SUITE = Suite(
@@ -373,8 +376,16 @@ def run_trl_suite(
             done += 1
             run_dir = out / framework / f"seed{spec.seed}"
             echo(f"[{done}/{total}] {framework} seed {spec.seed} -> {run_dir}")
-            results[framework].append(_run_once(framework, spec.config, run_dir))
+            result = _run_once(framework, spec.config, run_dir)
+            results[framework].append(result)
+            echo(
+                f"    {framework} seed {spec.seed}: {result['wall_s']:.1f} s training, "
+                f"{result.get('process_s', 0.0):.1f} s for its whole process (start, imports, "
+                "loading, training, saving)"
+            )
+        started = time.perf_counter()
         _evaluate_seed(spec, out, results)
+        echo(f"    seed {spec.seed} evaluated in {time.perf_counter() - started:.1f} s")
         # after every seed, so a comparison cut short leaves the summary of its seeds
         written = _write(out, specs[0].config, results, command, planned)
     return written
@@ -443,6 +454,7 @@ def _run_once(framework: str, cfg: TrainConfig, run_dir: Path) -> dict[str, Any]
     process = multiprocessing.get_context("spawn").Process(
         target=_worker, args=(framework, config, str(run_dir))
     )
+    started = time.perf_counter()
     process.start()
     process.join()
     if process.exitcode != 0 or not path.is_file():
@@ -450,7 +462,10 @@ def _run_once(framework: str, cfg: TrainConfig, run_dir: Path) -> dict[str, Any]
             f"the {framework} run in {run_dir} failed (exit code {process.exitcode}); "
             "its traceback is printed above"
         )
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    result["process_s"] = time.perf_counter() - started  # the run's whole process
+    path.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def _worker(framework: str, config: dict[str, Any], run_dir: str) -> None:
@@ -791,8 +806,7 @@ def _write(
         "summary": summary,
         "ratios": ratios(summary),
         "runs": {
-            f: [{k: r[k] for k in ("config", "steps", "wall_s", "memory", "eval")} for r in rs]
-            for f, rs in results.items()
+            f: [{k: r[k] for k in RUN_KEYS if k in r} for r in rs] for f, rs in results.items()
         },
     }
     json_path, md_path = out / "trl_compare.json", out / "trl_compare.md"

@@ -186,6 +186,7 @@ def test_one_step_of_both_trainers(tmp_path) -> None:
     for framework in ("anchor-rl", "trl"):
         (run,) = payload["runs"][framework]
         assert len(run["steps"]) == 1 and run["steps"][0]["tokens"] > 0
+        assert run["process_s"] > run["wall_s"] > 0  # the process also imports and loads
         assert 0.0 <= run["eval"]["final"]["eval/accuracy"] <= 1.0
         assert run["memory"]["rss_peak_mb"] >= run["memory"]["rss_before_mb"] > 0
     # Both evaluate the same initial model the same way.
