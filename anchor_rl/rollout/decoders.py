@@ -209,7 +209,7 @@ class StaticDecoder:
         self.graphs = graphs
         self.static_shapes = static_shapes or graphs
         self.eager_if_capture_fails = eager_if_capture_fails  # else a failed capture raises
-        self._graphs: dict[int, _StepGraph] = {}  # by span (columns attended)
+        self._graph: tuple[int, _StepGraph] | None = None  # the current span's, and its span
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
@@ -223,7 +223,7 @@ class StaticDecoder:
                 f"decode=graph replays CUDA graphs, but the model is on {device}; "
                 "use decode=auto or static"
             )
-        self._graphs = {}
+        self._graph = None
         self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
@@ -291,8 +291,7 @@ class StaticDecoder:
         at, span = torch.tensor([column], device=tokens.device), self.span(column)
         if not self.graphs:
             return self._step_at(tokens, pos, at, span)
-        graph = self._graphs.get(span)
-        if graph is None:
+        if self._graph is None or self._graph[0] != span:
             try:
                 graph = _StepGraph(functools.partial(self._step_at, span=span), tokens, pos, at)
             except RuntimeError as error:
@@ -309,8 +308,8 @@ class StaticDecoder:
                 self.graphs = False
                 _CAPTURE_FAILED.add(self.model)
                 return self._step_at(tokens, pos, at, span)
-            self._graphs[span] = graph
-        return graph.replay(tokens, pos, at)
+            self._graph = (span, graph)  # columns only grow: the earlier span is done
+        return self._graph[1].replay(tokens, pos, at)
 
     def span(self, column: int) -> int:
         """The columns a static-shape step at ``column`` attends over: the smallest of
