@@ -14,7 +14,8 @@
 #      transformers' generate (scripts/probe_generate.py), bf16;
 #   4. suite trl, bf16, 3 seeds, on the larger model and on `base` (the H100 session paired
 #      2 seeds of each before its time ran out);
-#   5. suite throughput on `base` in bf16 and float32, the larger model in bf16;
+#   5. suite throughput on `base` in bf16 (the update padding-free with shared prefixes, the
+#      default, and padded), in float32, and the larger model in bf16;
 #   6. suite throughput on `base` with 1 and 2 Ray rollout workers on a share of the GPU.
 # The H100 session's cuDNN A/B (the bf16 update with cuDNN's attention allowed):
 #   ANCHOR_RL_SDPA_CUDNN=on anchor-rl bench throughput --device cuda model=random:base ...
@@ -75,6 +76,11 @@ stage trl-base-bf16 250 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --step
   --out "$out/trl-base-bf16" "model=$base" "${B[@]}"
 stage throughput-base-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base-bf16" "model=$base" "${B[@]}"
+# the update's layouts were chosen on the CPU; on a GPU the padded one (fewer, larger
+# kernels) may be faster: the A/B for the GPU default
+stage throughput-base-bf16-padded 60 anchor-rl bench throughput --device "$dev" --steps 5 \
+  "${bench[@]}" --out "$out/throughput-base-bf16-padded" "model=$base" "${B[@]}" \
+  optim.padding_free=off optim.shared_prefix=off
 stage throughput-base 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base" "model=$base"
 stage throughput-big-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
