@@ -475,9 +475,6 @@ def run_throughput_suite(
     }
     # only the chosen runs are planned (a layout another device cannot run is not validated)
     specs = plan(throughput_suite(models, chosen), out, seeds, steps, settings, profile)
-    device = specs[0].config.device
-    wanted = tuple(models)
-    specs = [s for s in specs if s.label.split("+")[1] in chosen]
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, spec in enumerate(specs, 1):
@@ -507,7 +504,7 @@ def run_throughput_suite(
     cfg = specs[0].config
     command = command_line("throughput", out, seeds, steps, overrides, profile)
     if sizes is not None or layouts is not None:  # a subset the CLI does not choose
-        command += f" (from Python: run_throughput_suite(..., sizes={wanted!r}, layouts="
+        command += f" (from Python: run_throughput_suite(..., sizes={tuple(models)!r}, layouts="
         command += f"{None if layouts is None else tuple(layouts)!r}))"
     payload = {
         "suite": "throughput",
