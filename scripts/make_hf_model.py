@@ -16,9 +16,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from anchor_rl.models.factory import MAX_POSITIONS, num_parameters
+from anchor_rl.models.factory import llama_config, num_parameters
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer
 
@@ -36,18 +36,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where to initialise (cuda is faster)")
     args = parser.parse_args()
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    config = llama_config(
+        tokenizer,
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         intermediate_size=args.intermediate,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(args.seed)
     with torch.device(args.device):

@@ -30,8 +30,14 @@ from typing import Any
 import torch
 
 from anchor_rl.bench.throughput import grpo_step_call
+from anchor_rl.models.padding import left_pad
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.engine import make_engine
+
+
+def _side(decode: str) -> str:
+    """A decode mode's name in the results: ``anchor-rl`` for ``auto``."""
+    return "anchor-rl" if decode == "auto" else f"anchor-rl {decode}"
 
 
 def measure(
@@ -45,8 +51,7 @@ def measure(
     sampled: dict[str, torch.Tensor] = {}  # each decode mode's tokens (the same seeds)
 
     def engine_call(decode: str) -> Callable[[], None]:
-        side = "anchor-rl" if decode == "auto" else f"anchor-rl {decode}"
-        engine = make_engine("hf", model, tokenizer, decode=decode)
+        side, engine = _side(decode), make_engine("hf", model, tokenizer, decode=decode)
 
         def call() -> None:
             batch = engine.rollout(requests, params, tools, instruction)
@@ -57,10 +62,9 @@ def measure(
         return call
 
     prompts = [encode_prompt(tokenizer, r.prompt, instruction) for r in requests]
-    width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad))
+    width = ids.shape[1]
 
     def generate_call() -> None:
         with torch.no_grad():
@@ -86,7 +90,7 @@ def measure(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     calls = {
-        **{("anchor-rl" if d == "auto" else f"anchor-rl {d}"): engine_call(d) for d in decodes},
+        **{_side(d): engine_call(d) for d in decodes},
         "transformers": generate_call,
     }
     seconds: dict[str, list[float]] = {side: [] for side in calls}

@@ -624,8 +624,7 @@ def _copied_plot(
     the suite did not write it."""
     if not source.is_file():
         return []
-    label = _result_label(root, roots).replace("/", "_")
-    name = f"{stem}_{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.png"
+    name = f"{stem}_{re.sub(r'[^A-Za-z0-9_.-]', '_', _result_label(root, roots))}.png"
     shutil.copyfile(source, out / name)
     return [("img", (name, alt))]
 

@@ -38,6 +38,13 @@ def model_config(size: str, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
     """The ``LlamaConfig`` of a named size, with the tokenizer's vocabulary and special ids."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
+    return llama_config(tokenizer, **SIZES[size])
+
+
+def llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int) -> LlamaConfig:
+    """A ``LlamaConfig`` of the given shape (``hidden_size=...``, ``num_hidden_layers=...``)
+    with the tokenizer's vocabulary and special ids, tied embeddings and the project's
+    position limit."""
     return LlamaConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITIONS,
@@ -45,7 +52,7 @@ def model_config(size: str, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **SIZES[size],
+        **shape,
     )
 
 
