@@ -22,10 +22,12 @@ environment turns packing off (:data:`ENABLED`).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
@@ -62,42 +64,73 @@ environment sets ``ANCHOR_RL_PACKED=off`` (the packs are a second copy of the pa
 weights while a turn or pass runs: mind it for a large model on a small machine)."""
 
 
+class PackedProduct:
+    """``x[..., in] -> x @ weight.T + bias`` with ``weight[out, in]`` reordered for oneDNN
+    here, once (a copy: it holds the weight as it is now). ``rows`` is the number of rows a
+    product is expected to have (oneDNN picks its blocking for it; any number works)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, rows))
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
 class PackedLinears:
-    """``linear(module, x)`` with the weights of ``modules`` that are worth it reordered
-    for oneDNN once, here; other modules run their own forward. ``rows`` is the number of
-    rows a product is expected to have (oneDNN picks its blocking for it; any number works).
+    """``linear(module, x)`` with the weights of ``modules`` that are worth it packed once,
+    here (:class:`PackedProduct`); other modules run their own forward.
 
     The packs are copies: they hold the weights as they are now, so build a new
     ``PackedLinears`` after the weights change (the decoder packs once per turn).
     """
 
     def __init__(self, modules: list[nn.Linear], rows: int):
-        self.packed: dict[nn.Linear, torch.Tensor] = {
-            m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), max(1, rows))
-            for m in modules
-            if _worth_packing(m)
+        self.packed: dict[nn.Linear, PackedProduct] = {
+            m: PackedProduct(m.weight, m.bias, rows) for m in modules if _worth_packing(m)
         }
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        weight = self.packed.get(module)
-        if weight is None:
-            return module(x)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
+        product = self.packed.get(module)
+        return module(x) if product is None else product(x)
 
     def __len__(self) -> int:
         return len(self.packed)
 
 
 def _worth_packing(module: nn.Linear) -> bool:
-    w = module.weight
     return (
         type(module) is nn.Linear
-        and w.device.type == "cpu"
-        and w.dtype in PACKED_DTYPES
-        and w.numel() >= PACK_MIN_ELEMENTS
-        and (module.bias is None or module.bias.dtype == w.dtype)
+        and worth_packing(module.weight, module.bias)
         and not (module._forward_hooks or module._forward_pre_hooks)  # they would be skipped
     )
+
+
+def worth_packing(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a product with ``weight[out, in]`` (and ``bias``) gains from packing: a CPU
+    weight of a packed dtype with at least :data:`PACK_MIN_ELEMENTS` elements."""
+    return (
+        HAS_ONEDNN
+        and weight.device.type == "cpu"
+        and weight.dtype in PACKED_DTYPES
+        and weight.numel() >= PACK_MIN_ELEMENTS
+        and (bias is None or bias.dtype == weight.dtype)
+    )
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+"""``x[..., in] -> x @ weight.T + bias``, for one prepared weight."""
+
+
+def prepared_product(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int, pack: bool
+) -> Product:
+    """The product with ``weight[out, in]`` and ``bias[out]`` for a pass without gradients:
+    a :class:`PackedProduct` when ``pack`` and :func:`worth_packing`, else ``F.linear`` on
+    the tensors themselves."""
+    if pack and worth_packing(weight, bias):
+        return PackedProduct(weight, bias, rows)
+    return functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def linears_for(model: nn.Module, rows: int) -> Linear:

@@ -43,8 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
-from anchor_rl.models.llama import body, finish, llama_unsupported, project
-from anchor_rl.models.packed import linears_for
+from anchor_rl.models.llama import body, llama_unsupported, module_layers, rotary_tables
 from anchor_rl.models.padding import distinct_rows, left_pad, position_ids, token_cells
 
 if TYPE_CHECKING:
@@ -250,12 +249,11 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
 
     prompts = inner.embed_tokens(layout.prompt_ids)  # [G, P, H]
     tokens = inner.embed_tokens(layout.tokens)  # [N, H]
-    cos_p, sin_p = inner.rotary_emb(prompts, layout.prompt_pos)  # [G, P, D]
-    cos_r, sin_r = inner.rotary_emb(tokens[None], layout.token_pos[None])  # [1, N, D]
+    cos_p, sin_p = rotary_tables(inner, prompts, layout.prompt_pos)  # [G, P, D]
+    cos_r, sin_r = rotary_tables(inner, tokens[None], layout.token_pos[None])  # [1, N, D]
     cos_p, sin_p = cos_p[:, :, None], sin_p[:, :, None]  # [G, P, 1, D]: every head
     cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
     scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
-    linear = linears_for(inner, len(tokens))  # packed weights when no gradient is taken
 
     def grid(x: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The bucket's rows of ``x[N, heads, D]`` in its attention grid ``[R, heads, T, D]``."""
@@ -264,9 +262,9 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
         cells = part.new_zeros(r * t, *x.shape[1:]).index_copy(0, bucket.cells, part)
         return cells.view(r, t, *x.shape[1:]).transpose(1, 2)
 
-    for layer in inner.layers:
-        qp, kp, vp = (x.transpose(1, 2) for x in project(layer, prompts, cos_p, sin_p, linear))
-        qr, kr, vr = project(layer, tokens, cos_r, sin_r, linear)  # [N, heads | kv_heads, D]
+    for layer in module_layers(inner, len(tokens)):  # packed weights when no grad is taken
+        qp, kp, vp = (x.transpose(1, 2) for x in layer.project(prompts, cos_p, sin_p))
+        qr, kr, vr = layer.project(tokens, cos_r, sin_r)  # [N, heads | kv_heads, D]
         prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
         response_out = []
         for bucket, allowed in zip(layout.buckets, response_allowed, strict=True):
@@ -274,7 +272,7 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
             values = torch.cat([vp[bucket.prompt_of], grid(vr, bucket)], 2)
             out = _attend(grid(qr, bucket), keys, values, allowed, scale)  # [R, T, heads * D]
             response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
-        prompts = finish(layer, prompts, prompt_out, linear)
-        tokens = finish(layer, tokens, torch.cat(response_out), linear)
+        prompts = layer.finish(prompts, prompt_out)
+        tokens = layer.finish(tokens, torch.cat(response_out))
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
     return inner.norm(states)

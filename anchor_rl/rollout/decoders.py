@@ -47,8 +47,7 @@ from typing import Literal, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from anchor_rl.models.llama import finish, llama_unsupported, project
-from anchor_rl.models.packed import Linear, linears_for, plain
+from anchor_rl.models.llama import LayerPass, decode_layers, llama_unsupported, rotary_tables
 from anchor_rl.models.padding import distinct_rows
 
 DecodeMode = Literal["auto", "static", "hf", "graph"]
@@ -202,7 +201,7 @@ class StaticDecoder:
         self.keep = torch.zeros(0, 0, dtype=torch.bool)
         self.rows = torch.zeros(0, dtype=torch.long)  # buffer row of each live row
         self.column = 0  # next column to write
-        self.linear: Linear = plain  # the turn's projections (packed weights, see prefill)
+        self.passes: list[LayerPass] = []  # the turn's layers, weights prepared (see prefill)
         # static shapes: whole-budget buffers, a step's column in a tensor, attention over
         # its span of columns; graphs: each step replayed from a CUDA graph of its span
         self.graphs = graphs
@@ -223,7 +222,7 @@ class StaticDecoder:
                 "use decode=auto or static"
             )
         self._graph = None
-        self.linear = linears_for(self.inner, b)  # weights fixed for the turn: pack them once
+        self.passes = decode_layers(self.inner, b)  # weights fixed for the turn: prepare once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
         distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
@@ -378,14 +377,14 @@ class StaticDecoder:
         for an int ``start``). A tensor ``start`` (``[1]``, with ``n = 1``) is the
         static-shape step: its column is written in place, and ``K`` is its span."""
         b = hidden.shape[0]
-        cos, sin = self.inner.rotary_emb(hidden, pos)
+        cos, sin = rotary_tables(self.inner, hidden, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
         static = isinstance(start, torch.Tensor)
         end = bias.shape[-1]  # the columns attended
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
-        for layer, keys, values in zip(self.inner.layers, self.keys, self.values, strict=True):
-            q, k, v = project(layer, hidden, cos, sin, self.linear)  # [B, n, heads | kv, D]
+        for layer, keys, values in zip(self.passes, self.keys, self.values, strict=True):
+            q, k, v = layer.project(hidden, cos, sin)  # [B, n, heads | kv, D]
             width = values.shape[2]
             if static:
                 keys.index_copy_(3, start, k.permute(0, 2, 3, 1))
@@ -404,7 +403,7 @@ class StaticDecoder:
             probs = probs.view(b * kv_heads, group * n, end)
             out = torch.bmm(probs, v_seen).view(b, heads, n, d)
             out = out.transpose(1, 2).reshape(b, n, heads * d)
-            hidden = finish(layer, hidden, out, self.linear)
+            hidden = layer.finish(hidden, out)
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -95,3 +95,20 @@ def test_the_environment_turns_packing_off():
         env = {**os.environ, "ANCHOR_RL_PACKED": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.stdout.strip() == expected, out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_product_packs_only_when_asked_and_worth_it(dtype):
+    """The prepared layers' products: packed (a copy) for a large enough weight when asked,
+    else ``F.linear`` on the tensors themselves; the same values either way."""
+    big, biased, small = layers(dtype)
+    x = torch.randn(6, 256).to(dtype)
+    with torch.no_grad():
+        for pack in (False, True):
+            product = packed.prepared_product(big.weight, None, rows=6, pack=pack)
+            assert isinstance(product, packed.PackedProduct) == pack
+            torch.testing.assert_close(product(x), big(x), rtol=1e-5, atol=1e-5)
+        small_product = packed.prepared_product(small.weight, small.bias, rows=6, pack=True)
+        assert not isinstance(small_product, packed.PackedProduct)  # below the threshold
+        assert packed.worth_packing(biased.weight, biased.bias)
+        assert not packed.worth_packing(big.weight.to(torch.float16))

@@ -9,7 +9,7 @@ import torch
 from helpers import llama_variants, response_batch, scores_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from anchor_rl.models import packed, scoring, shared_prefix
+from anchor_rl.models import llama, packed, scoring, shared_prefix
 from anchor_rl.models.packed import PackedLinears, linears_for, plain
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.shared_prefix import (
@@ -89,7 +89,7 @@ def test_scoring_without_grad_packs_the_weights_and_gives_the_same_logprobs(name
         chosen.append(linears_for(inner, rows))
         return chosen[-1]
 
-    monkeypatch.setattr(shared_prefix, "linears_for", spy)
+    monkeypatch.setattr(llama, "linears_for", spy)
     model = MODELS[name].eval()
     batch = make_batch([[5, 20, 21], [40, 41], [5, 20, 21]], [[11, 12, 13], [14], [15, 16]])
     with torch.no_grad():

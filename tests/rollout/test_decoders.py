@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from anchor_rl.models import packed
-from anchor_rl.models.packed import PackedLinears
+from anchor_rl.models.llama import FrozenLayer
+from anchor_rl.models.packed import PackedProduct
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout import decoders
@@ -94,9 +95,11 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
     with torch.no_grad():
         a = fast.prefill(ids, mask, pos, 8)
         hook.remove()
-        assert isinstance(fast.linear, PackedLinears) == pack
-        if pack:  # q, k, v, o, gate, up, down of every layer
-            assert len(fast.linear) == 7 * model.config.num_hidden_layers
+        assert all(isinstance(layer, FrozenLayer) for layer in fast.passes)
+        products = [
+            p for layer in fast.passes for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        assert all(isinstance(p, PackedProduct) == pack for p in products)
         b = slow.prefill(ids, mask, pos, 8)
         assert embedded == [len({tuple(c) for c in contexts})]  # each context once
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
