@@ -43,7 +43,7 @@ def rollout_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str,
                     llama.frozen_unsupported = (
                         unsupported if way == "prepared" else lambda _layer: "probe: modules"
                     )
-                    times[way].append(median_seconds(lambda: engine.rollout(*call), 1))
+                    times[way].append(median_seconds(lambda e=engine: e.rollout(*call), 1))
                     tokens[way] = engine.rollout(*call).response_ids
         finally:
             llama.frozen_unsupported = unsupported
@@ -60,7 +60,9 @@ def rollout_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str,
 
 
 def main() -> None:
-    probe_cli(__doc__, lambda args: {"rollouts": [rollout_times(s, args.repeats) for s in args.specs]})
+    probe_cli(
+        __doc__, lambda args: {"rollouts": [rollout_times(s, args.repeats) for s in args.specs]}
+    )
 
 
 if __name__ == "__main__":
