@@ -9,8 +9,9 @@ left-padded contexts, then one ``step`` per generated token, dropping finished r
   mask is rebuilt, every layer's cache grows by ``torch.cat`` (a copy of the whole cache,
   so a turn's copying is quadratic in its length), and output objects are built.
 - :class:`StaticDecoder` runs the decoder layers of a Llama-architecture model (Llama,
-  Mistral without a sliding window, Qwen2 without one) itself, on the model's own
-  modules and weights, with the keys and values written in place into preallocated
+  Mistral without a sliding window, Qwen2 without one) itself, on the model's weights
+  (on the CPU prepared once per turn, ``anchor_rl.models.llama.FrozenLayer``; elsewhere
+  through its modules), with the keys and values written in place into preallocated
   buffers (grown a few columns at a time, so a step's reads stay compact), and a boolean
   padding mask sliced to the current column. Finished rows stay in the batch until fewer
   than three quarters of the rows are live, then the buffers are compacted, so a turn
