@@ -191,7 +191,7 @@ def _product(modules: tuple[nn.Linear, ...], rows: int, pack: bool) -> Product:
     else:
         weight = torch.cat([m.weight for m in modules])
         biases = [m.bias for m in modules]
-        bias = None if biases[0] is None else torch.cat(biases)  # all or none: frozen_unsupported
+        bias = None if biases[0] is None else torch.cat(biases)  # all or none (frozen_unsupported)
     return prepared_product(weight.detach(), None if bias is None else bias.detach(), rows, pack)
 
 
@@ -200,7 +200,7 @@ def frozen_unsupported(layer: nn.Module) -> str | None:
     layers must be plain ``nn.Linear`` without hooks (an adapter's forward would be
     skipped), on the CPU (on a GPU the concatenated q/k/v and gate/up would be a second
     copy of most of the weights, for launches a CUDA graph makes free), of one dtype,
-    q/k/v all with a bias or none; its norms Llama RMSNorms without hooks."""
+    q/k/v (and gate/up) all with a bias or none; its norms Llama RMSNorms without hooks."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -212,8 +212,9 @@ def frozen_unsupported(layer: nn.Module) -> str | None:
         return "its weights are not on the CPU"
     if len({m.weight.dtype for m in linears}) > 1:
         return "its linear layers differ in dtype"
-    if len({attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}) > 1:
-        return "only some of q, k and v have a bias"
+    groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
+    if any(len({m.bias is None for m in group}) > 1 for group in groups):
+        return "only some of q, k and v (or of gate and up) have a bias"
     if not all(
         type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms
     ):

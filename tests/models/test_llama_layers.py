@@ -100,5 +100,8 @@ def test_decoding_prepares_layers_only_without_grad_and_for_plain_cpu_layers():
     layer.self_attn.k_proj = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     assert "dtype" in frozen_unsupported(layer)
     layer.self_attn.k_proj = torch.nn.Linear(64, 32, bias=False)
+    layer.mlp.up_proj = torch.nn.Linear(64, 128, bias=True)
+    assert "bias" in frozen_unsupported(layer)
+    layer.mlp.up_proj = torch.nn.Linear(64, 128, bias=False)
     layer.input_layernorm = torch.nn.LayerNorm(64)
     assert "RMSNorm" in frozen_unsupported(layer)
