@@ -44,7 +44,8 @@ def rollout_times(spec: str, rounds: int, max_new_tokens: int = 80) -> dict[str,
                         unsupported if way == "prepared" else lambda _layer: "probe: modules"
                     )
                     times[way].append(median_seconds(lambda e=engine: e.rollout(*call), 1))
-                    tokens[way] = engine.rollout(*call).response_ids
+                    if way not in tokens:  # every round samples the same: keep the first
+                        tokens[way] = engine.rollout(*call).response_ids
         finally:
             llama.frozen_unsupported = unsupported
         medians = {way: statistics.median(seconds) for way, seconds in times.items()}

@@ -125,6 +125,10 @@ class ModuleLayer:
         return hidden + linear(mlp.down_proj, gated)
 
 
+SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
+"""The activation modules that compute ``F.silu``."""
+
+
 class FrozenLayer:
     """A decoder layer's weights prepared once for a pass without gradients on the CPU:
     q, k and v as one product and gate and up as another (their weights concatenated),
@@ -173,10 +177,6 @@ class FrozenLayer:
         return hidden + self.down(self.act(gate) * up)
 
 
-SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
-"""The activation modules that compute ``F.silu``."""
-
-
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm (as ``LlamaRMSNorm.forward``, Mistral's and Qwen2's): normalised in
     float32, cast back to ``hidden``'s dtype, then scaled by ``weight``."""
@@ -205,8 +205,8 @@ def frozen_unsupported(layer: nn.Module) -> str | None:
     linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in [*linears, *norms])
-    if hooked or any(type(m) is not nn.Linear for m in linears):
+    all_linear = all(type(m) is nn.Linear for m in linears)
+    if not all_linear or not all(map(packed.unhooked, [*linears, *norms])):
         return "its linear layers or norms carry hooks or are not plain nn.Linear"
     if any(m.weight.device.type != "cpu" for m in linears):
         return "its weights are not on the CPU"
@@ -234,12 +234,11 @@ def module_layers(inner: nn.Module, rows: int) -> list[ModuleLayer]:
 
 def decode_layers(inner: nn.Module, rows: int) -> list[LayerPass]:
     """The decoder layers of ``inner`` for a decoding turn of ``rows`` rows: each a
-    :class:`FrozenLayer`, packed unless packing is off (``ANCHOR_RL_PACKED=off``) or CPU
-    autocast is on (autocast does not cast for a packed product; it does for the
-    others); :func:`module_layers` with grad enabled or where :func:`frozen_unsupported`
+    :class:`FrozenLayer`, packed where ``packed.packing_on`` (not with
+    ``ANCHOR_RL_PACKED=off`` or under CPU autocast, which casts for the unpacked products
+    only); :func:`module_layers` with grad enabled or where :func:`frozen_unsupported`
     says so (on a GPU, for one)."""
     layers = list(inner.layers)
     if torch.is_grad_enabled() or any(frozen_unsupported(layer) for layer in layers):
         return module_layers(inner, rows)
-    pack = packed.ENABLED and not torch.is_autocast_enabled("cpu")
-    return [FrozenLayer(layer, rows, pack) for layer in layers]
+    return [FrozenLayer(layer, rows, packed.packing_on()) for layer in layers]

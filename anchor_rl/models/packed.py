@@ -100,10 +100,20 @@ class PackedLinears:
 
 def _worth_packing(module: nn.Linear) -> bool:
     return (
-        type(module) is nn.Linear
-        and worth_packing(module.weight, module.bias)
-        and not (module._forward_hooks or module._forward_pre_hooks)  # they would be skipped
+        type(module) is nn.Linear and worth_packing(module.weight, module.bias) and unhooked(module)
     )
+
+
+def unhooked(module: nn.Module) -> bool:
+    """Whether ``module`` has no forward hooks, which a pass that applies its weights
+    itself instead of calling it would skip."""
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def packing_on() -> bool:
+    """Whether a pass without gradients packs its weights now: :data:`ENABLED`, and CPU
+    autocast off (``optim.autocast=bf16``: autocast does not cast for a packed product)."""
+    return ENABLED and not torch.is_autocast_enabled("cpu")
 
 
 def worth_packing(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -136,9 +146,9 @@ def prepared_product(
 def linears_for(model: nn.Module, rows: int) -> Linear:
     """How a forward pass of ``model`` without gradients should apply its linear layers:
     packed where :class:`PackedLinears` packs any, else :func:`plain`. With grad enabled
-    (an update's forward) always :func:`plain`: the packed product has no backward; under
-    CPU autocast (``optim.autocast=bf16``) too, as autocast does not cast for it."""
-    if not ENABLED or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+    (an update's forward) always :func:`plain`: the packed product has no backward; so
+    too where :func:`packing_on` says no."""
+    if torch.is_grad_enabled() or not packing_on():
         return plain
     modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
     packed = PackedLinears(modules, rows)

@@ -15,8 +15,9 @@ def test_rollouts_are_timed_both_ways_and_the_switch_restored(monkeypatch) -> No
     decode_layers = llama.decode_layers
 
     def spy(inner, rows):
-        ways.append(type(decode_layers(inner, rows)[0]).__name__)
-        return decode_layers(inner, rows)
+        layers = decode_layers(inner, rows)
+        ways.append(type(layers[0]).__name__)
+        return layers
 
     monkeypatch.setattr("anchor_rl.rollout.decoders.decode_layers", spy)
     result = probe.rollout_times("random:tiny", 1, max_new_tokens=4)
