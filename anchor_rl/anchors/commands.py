@@ -405,7 +405,7 @@ def keys_command(
 def _teacher(
     spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
 ) -> Teacher:
-    from anchor_rl.anchors.teachers import make_teacher
+    from anchor_rl.anchors.teachers import TEACHER_SEED, make_teacher
     from anchor_rl.rollout.spec import frozen, load_spec
 
     def load_model(target: str):
@@ -421,7 +421,7 @@ def _teacher(
     try:
         return make_teacher(
             spec, s.task, s.tokenizer, s.model, s.params, load_model=load_model, tries=tries,
-            seed=seed, teacher_model=teacher_model,
+            seed=TEACHER_SEED, teacher_model=teacher_model,  # the trainer's: one key for both
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher") from None

@@ -362,8 +362,9 @@ class HFTeacher:
             chosen: list[tuple[int, int, int]] = []  # (record index, batch row, tries so far)
             for j, i in enumerate(pending):
                 for k in range(n):
-                    if self.task.correct(batch.texts[j * n + k], records[i]):
-                        chosen.append((i, j * n + k, used + k + 1))
+                    row = j * n + k
+                    if _trainable(batch, row) and self.task.correct(batch.texts[row], records[i]):
+                        chosen.append((i, row, used + k + 1))
                         break
             used += n
             if chosen:
@@ -505,7 +506,7 @@ class OpenAITeacher:
             for row, i in enumerate(pending):
                 length = int(batch.attention_mask[row].sum())
                 text = batch.texts[row]
-                if length == 0 or batch.loss_mask[row].sum() == 0:
+                if not _trainable(batch, row):
                     continue
                 if not self.task.correct(text, records[i]):
                     continue
@@ -527,6 +528,18 @@ class OpenAITeacher:
 TEACHER_SPECS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL")
 
 
+def _trainable(batch: RolloutBatch, row: int) -> bool:
+    """Whether a sampled response can be a trajectory: at least one token, one of them the
+    policy's (an empty answer a lenient verifier accepts teaches nothing)."""
+    return bool(batch.attention_mask[row].any()) and bool(batch.loss_mask[row].any())
+
+
+TEACHER_SEED = 0
+"""Seed of the sampling teachers' draws wherever trajectories are made for training (the
+trainer, ``anchor-rl anchors filter``): part of the teacher key, so trajectories one makes
+are the ones the other looks up."""
+
+
 def make_teacher(
     spec: str,
     task: Task,
@@ -543,8 +556,8 @@ def make_teacher(
 
     ``oracle`` (log pi_gt = 0); ``oracle:reference`` (the trace scored by ``reference`` at
     ``params.temperature``); ``hf:MODEL`` (``load_model(MODEL)`` samples, up to ``tries``);
-    ``http:URL`` (an OpenAI-compatible endpoint serving ``teacher_model``). ValueError for
-    anything else.
+    ``http:URL`` (an OpenAI-compatible endpoint serving ``teacher_model``). The sampling
+    teachers are seeded by ``seed`` (reproducible draws). ValueError for anything else.
     """
     kind, _, target = spec.partition(":")
     if spec == "oracle":
@@ -559,5 +572,7 @@ def make_teacher(
     if kind == "http" and target:
         if not teacher_model:
             raise ValueError(f"the teacher {spec!r} needs the served model's name")
-        return OpenAITeacher(target, teacher_model, task, policy_tokenizer, params, tries=tries)
+        return OpenAITeacher(
+            target, teacher_model, task, policy_tokenizer, params, tries=tries, seed=seed
+        )
     raise ValueError(f"unknown teacher {spec!r}; use one of {', '.join(TEACHER_SPECS)}")

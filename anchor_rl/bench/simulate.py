@@ -28,7 +28,8 @@ or ``p + bias`` where ``p - bias < 0``, so the prior's error is exactly ``bias``
 
 sigma^2 modes (V0.5's per-rollout reward variance): ``"worst"`` = ((hi - lo) / 2)^2 (1 for
 +-1, 1/4 for 0/1); ``"prior"`` = the Bernoulli variance at the prior,
-``(V - lo) * (hi - V)`` (``1 - V^2`` for +-1, ``V (1 - V)`` for 0/1).
+``(V - lo) * (hi - V)`` (``1 - V^2`` for +-1, ``V (1 - V)`` for 0/1), with the budget
+taking the worst case where the test rejected the prior (``trainer.v05.budget_sigma2``).
 
 Cost: the paper's ``c = 0.0039`` per rollout is for +-1 rewards; MSE scales with the range
 squared, so the default cost is ``0.0039 * ((hi - lo) / 2)^2`` (``0.0039 / 4`` for 0/1).
@@ -43,6 +44,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.algos import v05
+from anchor_rl.trainer.v05 import budget_sigma2, sigma2_of
 
 __all__ = ["PAPER_COST", "REWARD_RANGES", "SimConfig", "SimResult", "simulate"]
 
@@ -127,13 +129,6 @@ def prior_values(p: Tensor, bias: float) -> Tensor:
     return torch.where(p - bias >= 0, p - bias, p + bias)
 
 
-def _sigma2(cfg: SimConfig, prior: Tensor) -> Tensor:
-    lo, hi = cfg.reward_range
-    if cfg.sigma2 == "worst":
-        return torch.full_like(prior, ((hi - lo) / 2) ** 2)
-    return (prior - lo) * (hi - prior)
-
-
 def simulate(cfg: SimConfig) -> SimResult:
     """Run every estimator on every (bias, p) cell; vectorised over cells and trials."""
     lo, hi = cfg.reward_range
@@ -158,7 +153,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     for bias in cfg.biases:
         v_p = prior_values(p, bias)  # prior success probability [n_p]
         prior = (lo + (hi - lo) * v_p)[:, None].expand(n_p, n_t).reshape(-1)
-        sigma2 = _sigma2(cfg, prior)
+        sigma2 = sigma2_of(prior, cfg.sigma2, cfg.reward_range)
         for k in cfg.k_grid:
             emp = (csum[..., k - 1] / k).reshape(-1)
             ks = torch.full_like(emp, k)
@@ -171,7 +166,9 @@ def simulate(cfg: SimConfig) -> SimResult:
         record("anchor", (prior - flat_mu).square(), 0)
         k0 = torch.full((n_p * n_t,), cfg.k_init, dtype=torch.long)
         emp0 = (csum[..., cfg.k_init - 1] / cfg.k_init).reshape(-1)
-        extra = v05.extra_rollouts(emp0, k0, prior, sigma2, cfg.scaled_cost, cfg.k_max)
+        _, _, rejected = v05.fuse(emp0, k0, prior, sigma2)
+        budget = budget_sigma2(prior, rejected, cfg.sigma2, cfg.reward_range)
+        extra = v05.extra_rollouts(emp0, k0, prior, budget, cfg.scaled_cost, cfg.k_max)
         n = (k0 + extra).clamp(max=cfg.k_max)
         emp = csum.reshape(n_p * n_t, cfg.k_max).gather(1, (n - 1)[:, None])[:, 0] / n
         fused, _, _ = v05.fuse(emp, n, prior, sigma2)

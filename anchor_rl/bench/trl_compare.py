@@ -21,6 +21,7 @@ TRL and ``datasets`` come with the ``compare`` extra and are imported only here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -154,6 +155,20 @@ def require_trl() -> Any:
     return trl
 
 
+def checkpointing_argument() -> str:
+    """The name of transformers' activation-checkpointing switch: ``activation_checkpointing``
+    since it was renamed (the old name, ``gradient_checkpointing``, then warns that it is
+    deprecated), the old name before (transformers 5.17 knows only that one)."""
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+
+
 def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
     """Keyword arguments of TRL's ``GRPOConfig`` that train like ``cfg``.
 
@@ -218,7 +233,7 @@ def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
         # _check_expressible) and bookkeeping: no checkpointing, no saves, no sinks
         "bf16": cfg.optim.autocast == "bf16",
         "fp16": False,
-        "gradient_checkpointing": False,
+        checkpointing_argument(): False,
         "remove_unused_columns": False,
         "report_to": "none",
         "logging_steps": 1,

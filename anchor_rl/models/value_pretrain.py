@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from anchor_rl.algos.advantages import outcome_to_token_rewards
+from anchor_rl.algos.gae import gae
 from anchor_rl.algos.losses import value_loss
 from anchor_rl.errors import NonFiniteError
 from anchor_rl.models.critic import Critic
@@ -73,18 +75,22 @@ HISTORY_FILE = "history.json"
 SETTINGS_FILE = "settings.json"
 
 
-def mc_returns(rewards: Tensor, mask: Tensor) -> Tensor:
-    """Monte-Carlo returns ``[B, T]`` with ``gamma = lambda = 1``: ``rewards[b]`` on every token
-    with ``mask > 0``, 0 elsewhere.
+def mc_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Monte-Carlo returns ``[B, T]`` of outcome rewards ``rewards[B]`` (``lambda = 1``): on
+    every token with ``mask > 0`` the reward discounted by ``gamma`` per policy token after
+    it (``gamma = 1``: ``rewards[b]`` itself), 0 elsewhere.
 
     Equal, on masked tokens, to the returns of
-    ``gae.gae(outcome_to_token_rewards(rewards, mask), values, mask, gamma=1.0, lam=1.0)``
-    for any ``values``.
+    ``gae.gae(outcome_to_token_rewards(rewards, mask), values, mask, gamma, lam=1.0)`` for
+    any ``values``: the critic's regression targets when ``critic.lam = 1``.
     """
     if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
         raise ValueError(
             f"expected rewards [B] and mask [B, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}"
         )
+    if gamma != 1.0:
+        token_rewards = outcome_to_token_rewards(rewards.to(mask.dtype), mask)
+        return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[1]
     return torch.where(
         mask > 0,
         rewards.to(mask.dtype)[:, None],
@@ -106,9 +112,11 @@ def pretrain_value(
     betas: tuple[float, float] = (0.9, 0.999),
     ev_threshold: float | None = None,
     seed: int = 0,
+    gamma: float = 1.0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train ``critic`` on Monte-Carlo returns of a fixed policy, in place.
+    """Train ``critic`` on Monte-Carlo returns of a fixed policy (:func:`mc_returns`,
+    discounted by ``gamma``), in place.
 
     Each step draws ``(batch, rewards) = sample_fn(step)`` (fresh rollouts, never reused),
     computes the critic's values on it without gradient (``old_values``), records the
@@ -163,7 +171,7 @@ def pretrain_value(
                         f"sample_fn({step}) gave rewards of shape {tuple(rewards.shape)} for {len(batch)} responses"
                     )
                 mask = batch.loss_mask.to(device, torch.float32)
-                returns = mc_returns(rewards.to(device, torch.float32), mask)
+                returns = mc_returns(rewards.to(device, torch.float32), mask, gamma)
                 with torch.no_grad():
                     old_values = critic.values(batch, micro_batch)
                 ev = explained_variance(old_values, returns, mask)
@@ -308,13 +316,14 @@ def pretrain_value_cached(
     betas: tuple[float, float] = (0.9, 0.999),
     ev_threshold: float | None = None,
     seed: int = 0,
+    gamma: float = 1.0,
     progress: bool = True,
 ) -> tuple[Critic, dict[str, Any]]:
     """:func:`pretrain_value` with its result cached on disk: ``(critic, history)``.
 
     The cache entry is ``cache_dir/value-<hash>`` with the hash of ``key_dict`` and every
     setting that changes the result (``steps``, ``lr``, ``value_clip``, ``mini_batch``,
-    ``max_grad_norm``, ``weight_decay``, ``betas``, ``ev_threshold``, ``seed``; not ``micro_batch``,
+    ``max_grad_norm``, ``weight_decay``, ``betas``, ``ev_threshold``, ``seed``, ``gamma``; not ``micro_batch``,
     ``device`` or ``progress``). ``key_dict`` must identify everything else the result
     depends on: the reference policy checkpoint, the critic's initialisation and mode, the
     task and prompts, sampling parameters and seeds. On a hit nothing is built, sampled or
@@ -334,6 +343,7 @@ def pretrain_value_cached(
         "betas": list(betas),
         "ev_threshold": ev_threshold,
         "seed": seed,
+        "gamma": gamma,
     }
     digest = cache_key(key_dict, settings)
     root = Path(cache_dir)
@@ -357,6 +367,7 @@ def pretrain_value_cached(
         betas=betas,
         ev_threshold=ev_threshold,
         seed=seed,
+        gamma=gamma,
         progress=progress,
     )
     root.mkdir(parents=True, exist_ok=True)

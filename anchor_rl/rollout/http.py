@@ -629,11 +629,8 @@ def _stop_of(
     if ids:
         if (hit := stops.token_stops.get(ids[-1])) is not None:
             return hit
-        if stops.string_stops:
-            window = max(len(s) for s in stops.string_stops) + 2
-            tail = tokenizer.decode(ids[-window:])
-            if (hit := next((s for s in stops.string_stops if s in tail), None)) is not None:
-                return hit
+        if (hit := stops.string_stop(tokenizer, ids)) is not None:
+            return hit
     return None if finish == "length" else EOS
 
 

@@ -72,6 +72,18 @@ class StopSet:
                 string_stops.append(s)
         return StopSet(token_stops, tuple(string_stops))
 
+    def string_stop(self, tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str | None:
+        """The first string stop (in :attr:`string_stops` order) in the decoded tail of
+        ``ids``, None if none. The tail is long enough to hold any stop whatever the
+        tokenizer: a token spells at least one byte (a byte-level or byte-fallback
+        tokenizer may spend four tokens on one character), so it is the longest stop's
+        UTF-8 bytes plus two tokens."""
+        if not self.string_stops:
+            return None
+        window = max(len(s.encode("utf-8")) for s in self.string_stops) + 2
+        tail = tokenizer.decode(list(ids[-window:]))
+        return next((s for s in self.string_stops if s in tail), None)
+
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The tokenizer's eos id plus any eos ids in the model's generation config."""
@@ -95,7 +107,7 @@ def uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
 
     splitmix64 of ``seed + (counter + 1) * golden`` (wrapping 64-bit arithmetic), its top
     53 bits as a float64. ``seeds`` are any 64-bit integers (e.g. :func:`request_seed`);
-    ``counters`` count the draws of a row (its tokens so far).
+    ``counters`` count the draws of a row (its tokens so far), modulo 2^64.
     """
     z = np.asarray(seeds, dtype=np.uint64) + (np.asarray(counters, dtype=np.uint64) + 1) * _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
@@ -183,13 +195,12 @@ def generate_turn(
     pos = pos[:, -1]
     turns = [Turn([], [], None) for _ in contexts]
     live = list(range(len(contexts)))  # original row of each batch position
-    window = max((len(s) for s in stops.string_stops), default=0) + 2
     while True:
         uniform = None
         if temperature > 0:
             draws = uniforms(
                 [seeds[row] for row in live],
-                [counters[row] + len(turns[row].tokens) for row in live],
+                [(counters[row] + len(turns[row].tokens)) % 2**64 for row in live],
             )
             uniform = torch.from_numpy(draws)
         tokens, logp = sample_next(logits, temperature, top_p, uniform)
@@ -199,9 +210,8 @@ def generate_turn(
             turn.tokens.append(tok)
             turn.logprobs.append(lp)
             turn.stop = stops.token_stops.get(tok)
-            if turn.stop is None and stops.string_stops:
-                tail = tokenizer.decode(turn.tokens[-window:])
-                turn.stop = next((s for s in stops.string_stops if s in tail), None)
+            if turn.stop is None:
+                turn.stop = stops.string_stop(tokenizer, turn.tokens)
             done.append(turn.stop is not None or len(turn.tokens) >= budgets[row])
         keep = [j for j, d in enumerate(done) if not d]
         if not keep:

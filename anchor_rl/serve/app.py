@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import secrets
 import tempfile
 import threading
@@ -60,6 +61,10 @@ log = logging.getLogger("anchor_rl.serve")
 MAX_CHOICES = 4096
 """Most choices (prompts x n) one request may ask for."""
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (as vLLM does): dividing logits by a
+temperature near 0 overflows them."""
+
 UNSUPPORTED = {
     "stream": (False, None),
     "echo": (False, None),
@@ -73,6 +78,14 @@ UNSUPPORTED = {
     "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "tools": (None, []),
+    "stop_token_ids": (None, []),
+    "ignore_eos": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "top_logprobs": (None, 0),
 }
 """Request fields the sampler cannot honour, with the values that mean "off" (anything else
 is refused: silently ignoring them would sample another distribution than asked)."""
@@ -122,9 +135,10 @@ class Job:
     cancelled: bool = False
 
     @property
-    def key(self) -> tuple[float, float, frozenset[str]]:
-        """Jobs with equal keys may share a sampler call."""
-        return (self.temperature, self.top_p, frozenset(self.stop))
+    def key(self) -> tuple[float, float, tuple[str, ...]]:
+        """Jobs with equal keys may share a sampler call (the stops in order: where two
+        match at once, the first listed wins)."""
+        return (self.temperature, self.top_p, self.stop)
 
     def __len__(self) -> int:
         return len(self.contexts)
@@ -535,8 +549,12 @@ def _common(
     if choices > MAX_CHOICES:
         raise BadRequest(f"{choices} choices (prompts x n) is more than {MAX_CHOICES}", "n")
     temperature = _float(body, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"`temperature` must be >= 0, got {temperature}", "temperature")
+    if not temperature >= 0 or math.isinf(temperature):
+        raise BadRequest(
+            f"`temperature` must be a finite number >= 0, got {temperature}", "temperature"
+        )
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # greedy: logits / 1e-39 overflow to NaN
     top_p = _float(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest(f"`top_p` must be in (0, 1], got {top_p}", "top_p")
@@ -556,6 +574,12 @@ def _common(
                 "positions",
                 "max_tokens",
             )
+    if isinstance(body.get("seeds"), int) and choices > 1:
+        raise BadRequest(
+            f"`seeds` must be a list of {choices} integers, one per choice (prompts x n): one "
+            "integer would give every choice the same draws; use `seed` for one per request",
+            "seeds",
+        )
     seeds = _per_choice(body, "seeds", choices, 0, 2**64)
     if seeds is None:
         seed = _int(body, "seed", None)
@@ -563,7 +587,7 @@ def _common(
             seeds = [secrets.randbits(63) for _ in range(choices)]
         else:
             seeds = [request_seed(seed, c) for c in range(choices)]
-    counters = _per_choice(body, "counters", choices, 0) or [0] * choices
+    counters = _per_choice(body, "counters", choices, 0, 2**64) or [0] * choices
     return Parsed(
         prompts=prompts,
         n=n,
@@ -652,10 +676,29 @@ def _text(tok: PreTrainedTokenizerBase, turn: Turn, parsed: Parsed) -> str:
         if turn.stop == EOS or tok.decode([ids[-1]]) == turn.stop:
             ids = ids[:-1]
         else:
-            full = tok.decode(ids, skip_special_tokens=parsed.skip_special)
-            cut = full.find(turn.stop)
-            return full[:cut] if cut >= 0 else full
+            return _cut_at_stop(tok, ids, turn.stop, parsed.skip_special)
     return tok.decode(ids, skip_special_tokens=parsed.skip_special)
+
+
+def _cut_at_stop(tok: PreTrainedTokenizerBase, ids: list[int], stop: str, skip: bool) -> str:
+    """The text of ``ids`` before the string ``stop`` its last token completed.
+
+    The sampler matched the stop on text decoded with special tokens kept, where its first
+    occurrence is the one that stopped it (it checks after every token). With ``skip``
+    (special tokens dropped), the text on both sides of a special token joins up and may
+    spell the stop earlier, so the cut is measured from the end: the kept text from the
+    stop on, which holds no special token, ends the skipped text too."""
+    kept = tok.decode(ids)
+    at = kept.find(stop)
+    if at < 0:  # not found (decoding is not always the sampler's): cut nothing
+        return tok.decode(ids, skip_special_tokens=skip)
+    if not skip:
+        return kept[:at]
+    full, tail = tok.decode(ids, skip_special_tokens=True), kept[at:]
+    if full.endswith(tail):
+        return full[: len(full) - len(tail)]
+    last = full.rfind(stop)
+    return full[:last] if last >= 0 else full
 
 
 def _tokens(tok: PreTrainedTokenizerBase, ids: list[int], parsed: Parsed) -> list[str]:

@@ -697,6 +697,19 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
             errors.append(
                 _no_effect("pvpo", ["refresh_mode"], "pvpo.refresh_every=0 never refreshes")
             )
+        if cfg.filter.kind == "group" and pc.teacher is not None and cfg.rollout.n < 2:
+            errors.append(
+                f"rollout.n=1 with pvpo.teacher={pc.teacher}: a teacher trajectory replaces one "
+                "of its group's n rollouts, here the policy's only one; set rollout.n >= 2 or "
+                "pvpo.teacher=none"
+            )
+        if "anchor" in reads and cfg.reward.overlong_cache > 0:
+            errors.append(
+                f"reward.overlong_cache={cfg.reward.overlong_cache} with advantage.estimator="
+                f"{est}: the static anchor is the reference's mean task reward, without the "
+                "overlong punishment the training reward gets, so every advantage r - V_sta "
+                "would carry the mean punishment; drop reward.overlong_cache"
+            )
         if pc.teacher == "oracle:reference" and cfg.rollout.top_p < 1:
             errors.append(
                 "pvpo.teacher=oracle:reference scores the trace without a nucleus, so "

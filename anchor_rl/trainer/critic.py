@@ -117,7 +117,7 @@ def pretrain_critic(
     Each of ``critic.pretrain_steps`` steps samples ``rollout.prompts_per_step`` fresh
     prompts x ``rollout.n`` responses from the policy as it is now (the fixed reference),
     scores them with the training reward and fits the critic to Monte-Carlo returns
-    (lambda = gamma = 1), in ``optim.mini_batches`` mini-batches at ``critic.lr``. The
+    (lambda = 1, discounted by ``advantage.gamma`` as the RL targets are), in ``optim.mini_batches`` mini-batches at ``critic.lr``. The
     prompts come from a stream seeded by ``seed + PRETRAIN_STREAM`` and the samples from
     the seeds of the ``value_pretrain`` stream, not the run's. ``history`` adds ``rollouts`` (responses sampled) to
     :func:`~anchor_rl.models.value_pretrain.pretrain_value`'s and ``from_cache``.
@@ -150,6 +150,7 @@ def pretrain_critic(
         betas=oc.betas,
         ev_threshold=cc.pretrain_ev_threshold,
         seed=cfg.seed,
+        gamma=cfg.advantage.gamma,
         progress=cfg.log.progress,
     )
     sampled_steps = len(history["explained_variance"])  # an early stop samples one more batch

@@ -18,6 +18,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Lambda = Annotated[float, Field(ge=0, le=1)]
+LAMBDA_MAX = 1.0 - 1e-6
+"""The length-adaptive lambda's upper clamp, ``anchor_rl.algos.gae.LAMBDA_MAX`` (written
+out here: this module imports no torch)."""
 
 
 class CriticConfig(BaseModel):
@@ -47,8 +50,8 @@ class CriticConfig(BaseModel):
     lam_alpha: float = Field(0.05, gt=0)
     """alpha of the length-adaptive lambda (VAPO: 0.05). Responses of at most 1/alpha tokens get
     lam_min."""
-    lam_min: float = Field(0.0, ge=0, lt=1)
-    """Lower clamp of the length-adaptive lambda."""
+    lam_min: float = Field(0.0, ge=0, lt=LAMBDA_MAX)
+    """Lower clamp of the length-adaptive lambda, below its upper clamp 1 - 1e-6."""
     whiten: bool = True
     """Whiten the policy's advantages over the batch's policy tokens (mean 0, std 1), as verl
     and OpenRLHF do for GAE; the papers do not say."""

@@ -55,7 +55,13 @@ from anchor_rl.anchors.presample import (
     task_params,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
-from anchor_rl.anchors.teachers import Teacher, make_teacher, teacher_batch, teacher_key
+from anchor_rl.anchors.teachers import (
+    TEACHER_SEED,
+    Teacher,
+    make_teacher,
+    teacher_batch,
+    teacher_key,
+)
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
 from anchor_rl.rollout.engine import make_engine
@@ -69,8 +75,7 @@ from anchor_rl.trainer.pvpo_config import PVPOConfig
 from anchor_rl.trainer.update import token_mean
 
 PRESAMPLE_SEED = 0
-"""Seed of the HF teachers' samples (their trajectories are shared by every run with the same
-teacher key), and the default anchor seed of code that holds no run (integrations)."""
+"""The default anchor seed of code that holds no run (integrations)."""
 _log = logging.getLogger(__name__)
 STORE_FILE = "anchors.db"
 RUN_FILE = "pvpo.json"
@@ -373,7 +378,7 @@ def pvpo_teacher(
         return None
     return make_teacher(
         pc.teacher, task, tokenizer, reference, params, load_model=load_model,
-        tries=pc.teacher_tries, seed=PRESAMPLE_SEED, teacher_model=pc.teacher_model,
+        tries=pc.teacher_tries, seed=TEACHER_SEED, teacher_model=pc.teacher_model,
     )  # fmt: skip
 
 

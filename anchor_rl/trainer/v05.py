@@ -87,6 +87,21 @@ def sigma2_of(prior: Tensor, mode: str, reward_range: tuple[float, float]) -> Te
     raise ValueError(f"unknown sigma2 mode {mode!r}; choose 'worst' or 'prior'")
 
 
+def budget_sigma2(
+    prior: Tensor, rejected: Tensor, mode: str, reward_range: tuple[float, float]
+) -> Tensor:
+    """Per-rollout reward variance ``[G]`` the budget (top-ups, estimated MSE) assumes: the
+    test's (:func:`sigma2_of`), except in ``prior`` mode where the test ``rejected[G]`` the
+    prior. The variance at V is the rewards' only if V is right, and it is 0 at V = lo or
+    hi, so a rejected prior's prompt (often one the reference never solved) would get no
+    top-up and an estimated MSE of 0 exactly where the prior is most wrong; there the
+    budget takes the worst case, ``((hi - lo)/2)^2``."""
+    sigma2 = sigma2_of(prior, mode, reward_range)
+    if mode == "prior":
+        sigma2 = torch.where(rejected, sigma2_of(prior, "worst", reward_range), sigma2)
+    return sigma2
+
+
 def budget_cost(vc: V05Config) -> float:
     """The budget rule's cost per rollout, in the reward units in use."""
     if vc.cost is not None:
@@ -100,9 +115,11 @@ class Fusion:
     """One fusion of each prompt's rollouts with its prior; every field is ``[G]``.
 
     emp_mean: mean reward of the prompt's k rollouts (float64); k: rollouts (int64);
-    prior: V; sigma2: the per-rollout variance used; baseline: ``V + weight * (emp_mean - V)``;
-    weight: the weight on the empirical mean; rejected: ``(emp_mean - V)^2 > sigma2 / k``;
-    est_mse: the baseline's estimated MSE (``algos.v05.estimated_mse``).
+    prior: V; sigma2: the per-rollout variance of the test and the fusion; baseline: ``V +
+    weight * (emp_mean - V)``; weight: the weight on the empirical mean; rejected:
+    ``(emp_mean - V)^2 > sigma2 / k``; budget_sigma2: the variance the budget assumes
+    (:func:`budget_sigma2`); est_mse: the baseline's estimated MSE
+    (``algos.v05.estimated_mse`` with ``budget_sigma2``).
     """
 
     emp_mean: Tensor
@@ -112,6 +129,7 @@ class Fusion:
     baseline: Tensor
     weight: Tensor
     rejected: Tensor
+    budget_sigma2: Tensor
     est_mse: Tensor
 
 
@@ -123,15 +141,16 @@ def fuse_groups(rewards: Tensor, group: Tensor, prior: Tensor, vc: V05Config) ->
         raise ValueError(f"groups {(k == 0).nonzero().flatten().tolist()} have no rollout")
     s2 = sigma2_of(prior, vc.sigma2, vc.reward_range)
     baseline, weight, rejected = v05_math.fuse(emp, k, prior, s2)
-    est = v05_math.estimated_mse(emp, k, prior, s2)
-    return Fusion(emp, k, prior, s2, baseline, weight, rejected, est)
+    budget = budget_sigma2(prior, rejected, vc.sigma2, vc.reward_range)
+    est = v05_math.estimated_mse(emp, k, prior, budget)
+    return Fusion(emp, k, prior, s2, baseline, weight, rejected, budget, est)
 
 
 def extra_counts(fusion: Fusion, vc: V05Config) -> Tensor:
     """More rollouts each prompt asks for, ``[G]`` int64: 0 where the prior is accepted, at most
     ``k_max - k``."""
     return v05_math.extra_rollouts(
-        fusion.emp_mean, fusion.k, fusion.prior, fusion.sigma2, budget_cost(vc), vc.k_max
+        fusion.emp_mean, fusion.k, fusion.prior, fusion.budget_sigma2, budget_cost(vc), vc.k_max
     )
 
 

@@ -45,7 +45,7 @@ def test_export_and_keys(tmp_path):
     assert out.exit_code == 0 and KEY.digest[:8] in out.output and "presample" in out.output
 
 
-def test_presample_command_resumes_and_filter_reads_its_key(tmp_path):
+def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatch):
     db = tmp_path / "anchors.db"
     common = [
         "--model",
@@ -84,6 +84,19 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path):
     assert "49.8%" in out.output
     missing = runner.invoke(app, ["anchors", "filter", *common, "--top-p", "0.9"])
     assert missing.exit_code != 0 and "presample" in missing.output
+
+    # another anchor seed still seeds the teacher as the trainer does (one teacher key)
+    from anchor_rl.anchors import teachers
+    from anchor_rl.trainer import pvpo
+
+    seeds, make = [], teachers.make_teacher
+    monkeypatch.setattr(
+        teachers, "make_teacher", lambda *a, **k: seeds.append(k["seed"]) or make(*a, **k)
+    )
+    assert runner.invoke(app, ["presample", *args, "--seed", "3"]).exit_code == 0
+    out = runner.invoke(app, ["anchors", "filter", *common, "--seed", "3", "--teacher", "oracle"])
+    assert out.exit_code == 0, out.output
+    assert seeds == [pvpo.TEACHER_SEED]
 
 
 def test_presample_defaults_are_the_presets_so_training_finds_the_anchors(tmp_path):

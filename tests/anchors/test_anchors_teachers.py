@@ -107,6 +107,13 @@ def test_teacher_specs_are_checked(tokenizer, tiny_model, task):
                      load_model=None, tries=1)  # fmt: skip
 
 
+def test_an_http_teacher_is_seeded_by_the_spec_seed(tokenizer, task):
+    """Its samples are reproducible, as an hf: teacher's are (the trainer passes its seed)."""
+    teacher = make_teacher("http:http://127.0.0.1:9/v1", task, tokenizer, None, SamplingParams(),
+                           load_model=None, tries=1, seed=7, teacher_model="m")  # fmt: skip
+    assert isinstance(teacher, OpenAITeacher) and teacher.seed == 7
+
+
 def test_oracle_masks_tool_results_of_a_multihop_trace(tokenizer, tiny_model):
     task = get_task("multihop")
     rec = task.records("train")[0]
@@ -190,6 +197,26 @@ def test_hf_teacher_keeps_a_verified_sample_with_its_sampling_logprobs(
         torch.testing.assert_close(t.logprobs, expected, atol=1e-4, rtol=0)
     key = teacher_key(teacher, "parity")
     assert key.model.startswith("hf:") and key.sampling["sampling"]["temperature"] == temperature
+
+
+def test_hf_teacher_skips_an_empty_answer_a_lenient_verifier_accepts(tokenizer, tiny_model):
+    """An empty response cannot be a trajectory (nothing to train on): the teacher tries on,
+    as the HTTP teacher does, instead of failing the whole filter."""
+    task = ParityTask(n=2)
+    task.correct = lambda text, record: True  # accepts anything, the empty answer too
+    params = SamplingParams(max_new_tokens=3)
+    teacher = HFTeacher(tiny_model, tokenizer, task, tokenizer, params, tries=4, per_round=2)
+    sample = teacher.engine.rollout
+
+    def first_empty(*args, **kwargs):
+        batch = sample(*args, **kwargs)
+        batch.attention_mask[0] = 0  # the first try of the first prompt: no token
+        batch.loss_mask[0] = 0
+        return batch
+
+    teacher.engine.rollout = first_empty
+    out = teacher.solve(task.records("train"))
+    assert [t.tries for t in out] == [2, 1]  # its second try, the other prompt's first
 
 
 def test_hf_teacher_with_another_vocabulary_is_refused(tokenizer, tiny_model, task):

@@ -12,6 +12,7 @@ import pytest
 from anchor_rl.bench.runner import BenchArgs
 from anchor_rl.bench.trl_compare import (
     INSTALL_HINT,
+    checkpointing_argument,
     grpo_config_kwargs,
     prompt_rows,
     ratios,
@@ -66,9 +67,23 @@ def test_grpo_preset_maps_to_grpo_config_by_hand() -> None:
         "max_grad_norm": 1.0,
         "bf16": False,
         "fp16": False,
-        "gradient_checkpointing": False,
+        checkpointing_argument(): False,
     }
     assert {k: kwargs[k] for k in expected} == expected
+
+
+def test_the_config_turns_checkpointing_off_by_its_current_name(tmp_path) -> None:
+    """TRL defaults to activation checkpointing; the mapping turns it off without the
+    deprecation warning the old name raises on transformers that renamed it."""
+    import warnings
+
+    trl = require_trl()
+    kwargs = grpo_config_kwargs(load_config("grpo", []), str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*checkpointing.*deprecated")
+        args = trl.GRPOConfig(**kwargs)
+    assert args.gradient_checkpointing is False
+    assert getattr(args, "activation_checkpointing", False) is False
 
 
 def test_epochs_mini_and_micro_batches_map_to_accumulation_and_iterations() -> None:

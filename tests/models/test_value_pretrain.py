@@ -90,6 +90,15 @@ def test_mc_returns_equal_gae_with_lambda_and_gamma_one():
     torch.testing.assert_close(mc_returns(rewards, mask), returns)
 
 
+def test_mc_returns_discount_by_gamma_per_policy_token_after():
+    """With gamma < 1 a token's target is the reward discounted once per policy token after
+    it (tool tokens under mask 0 skipped): the RL critic's lambda = 1 targets."""
+    rewards = torch.tensor([1.0, 2.0])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    expected = torch.tensor([[0.81, 0.0, 0.9, 1.0], [1.8, 2.0, 0.0, 0.0]])
+    torch.testing.assert_close(mc_returns(rewards, mask, gamma=0.9), expected)
+
+
 def test_pretraining_drives_explained_variance_up():
     critic = Critic.from_causal_lm(tiny_policy())
     history = pretrain_value(
@@ -186,6 +195,10 @@ def test_cache_reuses_the_pretrained_critic(tmp_path):
     pretrain_value_cached(tmp_path, key, build, counted, steps=2, lr=2e-3, progress=False)
     assert calls == {"build": 2, "sample": 4}  # a different setting is a different entry
     assert len(list(tmp_path.glob("value-*"))) == 2
+    pretrain_value_cached(
+        tmp_path, key, build, counted, steps=2, lr=1e-3, gamma=0.9, progress=False
+    )
+    assert calls == {"build": 3, "sample": 6}  # so is another discount (other targets)
 
 
 def test_cache_key_needs_json_values():

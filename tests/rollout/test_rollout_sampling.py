@@ -64,6 +64,27 @@ def test_stop_set_splits_single_token_and_text_stops(tokenizer):
     assert stops.string_stops == ("\n\n",)
 
 
+def test_a_string_stop_of_many_bytes_is_found_when_its_tokens_are_bytes():
+    """A byte-level tokenizer spends four tokens on a four-byte character: the tail the
+    check decodes must hold the stop's bytes, not only its characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=alphabet, special_tokens=["<eos>"]))  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    stop = "\N{SLIGHTLY SMILING FACE}"
+    assert len(tok.encode(stop, add_special_tokens=False)) == 4
+    stops = StopSet.build(tok, [stop], [tok.eos_token_id])
+    ids = tok.encode("hello " + stop, add_special_tokens=False)
+    assert stops.string_stop(tok, ids) == stop
+    assert stops.string_stop(tok, ids[:-1]) is None
+
+
 def test_uniforms_are_a_pure_function_of_seed_and_counter():
     a = uniforms([1, 2, 3], [0, 0, 5])
     assert a.tolist() == uniforms([1, 2, 3], [0, 0, 5]).tolist()

@@ -130,6 +130,42 @@ def test_stop_strings_are_cut_from_the_text_unless_asked_to_keep_them(served) ->
     assert cut["finish_reason"] == "stop"
 
 
+def test_edge_values_of_the_sampling_fields_sample_sensibly(served) -> None:
+    """A temperature too small to divide by samples greedily (and its log-probs are finite
+    JSON); a counter at the top of its 64-bit range wraps instead of failing the batch; a
+    single integer `seeds` is fine for a single choice."""
+    url = served[0].url
+    body = {"prompt": "q", "max_tokens": 6, "logprobs": 0}
+    greedy = post(url, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]
+    tiny = post(url, "/v1/completions", {**body, "temperature": 1e-40}).json()["choices"][0]
+    assert tiny["token_ids"] == greedy["token_ids"]
+    top = post(url, "/v1/completions", {**body, "seeds": 5, "counters": [2**64 - 1]})
+    assert top.status_code == 200 and len(top.json()["choices"][0]["token_ids"]) >= 1
+
+
+def test_the_stop_cut_is_where_the_sampler_stopped_not_an_earlier_spelling() -> None:
+    """With special tokens skipped, the text around one joins up ("_" <unk> "P" reads "_P");
+    the cut must still be at the stop the last tokens completed."""
+    from anchor_rl.serve.app import _cut_at_stop
+
+    tok = build_tokenizer()
+    ids = tok.encode("v_", add_special_tokens=False) + [tok.unk_token_id]
+    ids += tok.encode("Pexyz_P", add_special_tokens=False)
+    assert "_P" in tok.decode(ids[:-1], skip_special_tokens=True)  # the spurious spelling
+    assert _cut_at_stop(tok, ids, "_P", skip=True) == "v_Pexyz"
+    assert _cut_at_stop(tok, ids, "_P", skip=False) == f"v_{tok.unk_token}Pexyz"
+
+
+def test_jobs_batch_together_only_with_their_stops_in_the_same_order() -> None:
+    from anchor_rl.serve.app import Job
+
+    def job(stop: tuple[str, ...]) -> Job:
+        return Job([[5]], [4], [1], [0], 1.0, 1.0, stop)
+
+    assert job(("a", "b")).key == job(("a", "b")).key
+    assert job(("a", "b")).key != job(("b", "a")).key  # where both match, the first wins
+
+
 def test_chat_completions_render_the_chat_template(served, tiny_dir) -> None:
     url = served[0].url
     _, tok = load_policy(tiny_dir)
@@ -194,6 +230,19 @@ MALFORMED = [
     ("/v1/completions", {"prompt": "a", "stream": True}, 400, "`stream` is not supported"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 1}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "a", "n": 5000}, 400, "more than 4096"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', 400, "finite number"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": 1e400}', 400, "finite number"),
+    ("/v1/completions", {"prompt": "a", "n": 3, "seeds": 7}, 400, "the same draws"),
+    ("/v1/completions", {"prompt": "a", "counters": [2**70]}, 400, "`counters` values"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [34]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "ignore_eos": True}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {}}, 400, "guided_json"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "serves 'tiny'"),
     ("/v1/chat/completions", {"max_tokens": 3}, 400, "`messages`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "content"),

@@ -169,6 +169,26 @@ def test_length_adaptive_lambda_is_used_per_response() -> None:
     torch.testing.assert_close(lam, torch.tensor([0.1]))
 
 
+def test_lam_min_at_or_above_the_upper_clamp_is_refused_by_the_config() -> None:
+    from anchor_rl.algos.gae import LAMBDA_MAX
+    from anchor_rl.trainer.critic_config import LAMBDA_MAX as CONFIG_MAX
+
+    assert CONFIG_MAX == LAMBDA_MAX  # written out twice (the config imports no torch)
+    with pytest.raises(ConfigError, match="critic.lam_min"):
+        load_config("vapo", [f"critic.lam_min={(1 + LAMBDA_MAX) / 2}"])
+    load_config("vapo", ["critic.lam_min=0.99"])
+
+
+def test_pretraining_targets_are_the_rl_critics_under_a_discount() -> None:
+    """With advantage.gamma < 1 value pretraining fits the returns the RL stage's critic
+    regresses on (lambda = 1), not the undiscounted reward."""
+    cfg = _cfg("advantage.gamma=0.9", "critic.lam=1.0")
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    rewards = torch.tensor([1.0])
+    t = gae_targets(cfg, rewards, mask, torch.rand(1, 4), torch.zeros(1, 4), None)
+    torch.testing.assert_close(mc_returns(rewards, mask, cfg.advantage.gamma), t.returns)
+
+
 def test_monte_carlo_returns_are_exact_whatever_the_values() -> None:
     # lambda = gamma = 1: the returns are the reward-to-go, bit for bit, so a batch without a
     # correct response has returns exactly 0 and an undefined (NaN) explained variance

@@ -301,3 +301,25 @@ def test_the_preset_sets_what_the_paper_sets() -> None:
     assert cfg.advantage.estimator == "v05" and cfg.rollout.budget == "adaptive"
     assert cfg.rollout.n == 4 and cfg.v05.k_max == 16 and cfg.v05.sigma2 == "worst"
     assert cfg.v05.prior == "anchor+history" and cfg.v05.probe_every == 0
+
+
+def test_sigma2_prior_budget_tops_up_where_the_test_rejects_a_prior_at_the_bound() -> None:
+    """sigma2=prior: the variance at V = 0 is 0, so the test rejects any disagreement; the
+    budget must not read that 0 as noiseless rollouts (no top-up, MSE 0) but take the worst
+    case there. An accepted prior keeps its variance, and asks for nothing."""
+    from anchor_rl.trainer.v05 import extra_counts, fuse_groups
+    from anchor_rl.trainer.v05_config import V05Config
+
+    vc = V05Config(sigma2="prior")
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0] + [1.0, 0.0, 1.0, 0.0])
+    group = torch.tensor([0] * 4 + [1] * 4)
+    fusion = fuse_groups(rewards, group, torch.tensor([0.0, 0.5]), vc)
+    assert fusion.rejected.tolist() == [True, False]
+    assert fusion.sigma2.tolist() == [0.0, 0.25]  # the test's: the variance at V
+    assert fusion.budget_sigma2.tolist() == [0.25, 0.25]  # the worst case where rejected
+    assert fusion.weight[0].item() == 1.0  # the fusion still rejects completely
+    assert fusion.est_mse[0].item() > 0 and fusion.est_mse[1].item() == 0
+    extra = extra_counts(fusion, vc).tolist()
+    assert extra[0] > 0 and extra[1] == 0
+    worst = extra_counts(fuse_groups(rewards, group, torch.tensor([0.0, 0.5]), V05Config()), vc)
+    assert extra[0] == worst[0].item()  # as many as the paper's worst-case budget asks
