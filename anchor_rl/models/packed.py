@@ -1,7 +1,6 @@
-"""oneDNN's products on the CPU: pre-packed weights for the forward passes that take no
-gradient (sampling with the static decoder; scoring without grad: the reference's
-log-probs, re-scoring, evaluation), and oneDNN's product on the plain weight for the
-token-wide products of every pass, the update's included (:func:`onednn`).
+"""Linear layers with pre-packed weights, for the forward passes on the CPU that take no
+gradient: sampling (the static decoder) and scoring without grad (the reference's
+log-probs, re-scoring, evaluation).
 
 PyTorch's float32 product ``x @ W.T`` on the CPU is MKL's GEMM on the plain ``[out, in]``
 weight, at every call (bfloat16 goes to oneDNN). A weight reordered once into oneDNN's
@@ -13,16 +12,12 @@ instead of 88 in bfloat16, a ``[2809, 256] x [256, 1024]`` scoring one 13.7 ms i
 16.7; a ``[64, 128] x [128, 512]`` one gains nothing in float32 and a ``[20, 128] x [128,
 128]`` one takes twice as long, hence :data:`PACK_MIN_ELEMENTS`. Packing takes ~1 ms per
 million weights, once per decoding turn or scoring pass (``scripts/probe_packed.py``).
-Without packing, ``_linear_pointwise`` on the plain weight is still faster than MKL from a
-few hundred rows on, forward and for the input's gradient (:data:`ONEDNN_MIN_ROWS`,
-``scripts/probe_onednn.py``): so a pass's token-wide products that are not packed, and
-those of the update, which a packed weight cannot serve (it has no backward), go there.
 
 The products are the same function; bfloat16 ones are bitwise equal to ``F.linear``'s
 (the same oneDNN kernel), float32 ones differ by the summation order (~1e-6 relative).
-Only weights on the CPU are packed or sent to oneDNN; everything else goes through the
-module's own ``forward``. ``ANCHOR_RL_PACKED=off`` in the environment turns both off
-(:data:`ENABLED`).
+Only weights on the CPU, in float32 or bfloat16, with grad off are packed; everything
+else goes through the module's own ``forward``. ``ANCHOR_RL_PACKED=off`` in the
+environment turns packing off (:data:`ENABLED`).
 """
 
 from __future__ import annotations
@@ -30,12 +25,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 """How a forward pass applies one of the model's linear layers to ``x[..., in]``."""
@@ -66,10 +59,9 @@ def _has_onednn() -> bool:
 HAS_ONEDNN = _has_onednn()
 
 ENABLED = HAS_ONEDNN and os.environ.get("ANCHOR_RL_PACKED", "on").lower() not in ("0", "off")
-"""Whether no-grad passes pack their weights and token-wide products go to oneDNN: on
-wherever PyTorch has oneDNN, unless the environment sets ``ANCHOR_RL_PACKED=off`` (the
-packs are a second copy of the packed weights while a turn or pass runs: mind it for a
-large model on a small machine)."""
+"""Whether no-grad passes pack their weights: on wherever PyTorch has oneDNN, unless the
+environment sets ``ANCHOR_RL_PACKED=off`` (the packs are a second copy of the packed
+weights while a turn or pass runs: mind it for a large model on a small machine)."""
 
 
 class PackedProduct:
@@ -100,7 +92,7 @@ class PackedLinears:
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         product = self.packed.get(module)
-        return onednn(module, x) if product is None else product(x)
+        return module(x) if product is None else product(x)
 
     def __len__(self) -> int:
         return len(self.packed)
@@ -119,9 +111,8 @@ def unhooked(module: nn.Module) -> bool:
 
 
 def packing_on() -> bool:
-    """Whether a pass packs its weights (without gradients) and sends its token-wide
-    products to oneDNN now: :data:`ENABLED`, and CPU autocast off (``optim.autocast=bf16``:
-    autocast does not cast for these products)."""
+    """Whether a pass without gradients packs its weights now: :data:`ENABLED`, and CPU
+    autocast off (``optim.autocast=bf16``: autocast does not cast for a packed product)."""
     return ENABLED and not torch.is_autocast_enabled("cpu")
 
 
@@ -153,81 +144,12 @@ def prepared_product(
 
 
 def linears_for(model: nn.Module, rows: int) -> Linear:
-    """How a forward pass of ``model`` of about ``rows`` rows should apply its linear layers.
-    Without gradients: packed where :class:`PackedLinears` packs any, the rest through
-    :func:`onednn`. With grad enabled (an update's forward): :func:`onednn`, whose backward
-    is written out (a packed weight has none). :func:`plain` where :func:`packing_on` says
-    no."""
-    if not packing_on():
+    """How a forward pass of ``model`` without gradients should apply its linear layers:
+    packed where :class:`PackedLinears` packs any, else :func:`plain`. With grad enabled
+    (an update's forward) always :func:`plain`: the packed product has no backward; so
+    too where :func:`packing_on` says no."""
+    if torch.is_grad_enabled() or not packing_on():
         return plain
-    if torch.is_grad_enabled():
-        return onednn
     modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
     packed = PackedLinears(modules, rows)
-    return packed if len(packed) else onednn
-
-
-ONEDNN_MIN_ROWS = 256
-"""Float32 products of at least this many rows go to oneDNN on the plain weight
-(:func:`onednn`). On the EPYC core of ``docs/results.md``, one thread
-(``scripts/probe_onednn.py``, ``docs/results/throughput-decode/onednn.json``): at a GRPO
-update's 2,715 tokens of ``small`` the forward products take 1.17-1.29x less time than
-MKL's and the input-gradient ones 1.19-1.58x (``[2715, 256] x [256, 1024]`` forward 14.3
-against 17.7 ms), at 256 rows 1.31x and 1.49x; below a few dozen rows oneDNN's fixed cost
-per call outweighs the product (``[25, 256] x [256, 256]`` forward 87 against 54 µs): so
-the update's and scoring's token-wide products qualify, the decoder's and a pass's
-prompt-wide ones do not."""
-
-
-def onednn(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, through oneDNN's product on the plain weight where that is faster: a
-    plain, unhooked float32 ``nn.Linear`` on the CPU (outside autocast) applied to at
-    least :data:`ONEDNN_MIN_ROWS` rows of float32 ``x[..., in]``. Gradients flow
-    (:class:`OneDNNProduct`); the result equals ``F.linear``'s within the summation order
-    (~1e-6 relative). Anything else runs the module's own forward."""
-    weight, bias = module.weight, module.bias
-    if (
-        type(module) is nn.Linear
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and (bias is None or bias.dtype == torch.float32)
-        and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]
-        and unhooked(module)
-        and not torch.is_autocast_enabled("cpu")
-    ):
-        return OneDNNProduct.apply(x, weight, bias)
-    return module(x)
-
-
-class OneDNNProduct(torch.autograd.Function):
-    """``x[..., in] @ weight[out, in].T + bias[out]`` by oneDNN's product on the plain
-    weight, forward and for the gradient of ``x`` (``grad @ weight``, the weight read
-    through its transpose, as fast as a contiguous copy would be). The weight's gradient
-    ``grad.T @ x`` stays with ``torch.mm`` (MKL), which oneDNN does not beat on those
-    transposed operands (measured in ``docs/results.md``). Not twice differentiable."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        x, weight = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])  # [rows, out]
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            product = torch.ops.mkldnn._linear_pointwise(flat, weight.t(), None, "none", [], "")
-            grad_x = product.view(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = flat.sum(0)
-        return grad_x, grad_weight, grad_bias
+    return packed if len(packed) else plain

@@ -210,7 +210,7 @@ def generate_turn(
             turn.tokens.append(tok)
             turn.logprobs.append(lp)
             turn.stop = stops.token_stops.get(tok)
-            if turn.stop is None:
+            if turn.stop is None and stops.string_stops:
                 turn.stop = stops.string_stop(tokenizer, turn.tokens)
             done.append(turn.stop is not None or len(turn.tokens) >= budgets[row])
         keep = [j for j, d in enumerate(done) if not d]

@@ -116,10 +116,12 @@ def pretrain_critic(
 
     Each of ``critic.pretrain_steps`` steps samples ``rollout.prompts_per_step`` fresh
     prompts x ``rollout.n`` responses from the policy as it is now (the fixed reference),
-    scores them with the training reward and fits the critic to Monte-Carlo returns
-    (lambda = 1, discounted by ``advantage.gamma`` as the RL targets are), in ``optim.mini_batches`` mini-batches at ``critic.lr``. The
-    prompts come from a stream seeded by ``seed + PRETRAIN_STREAM`` and the samples from
-    the seeds of the ``value_pretrain`` stream, not the run's. ``history`` adds ``rollouts`` (responses sampled) to
+    scores them with the training reward and fits the critic (its dropout off when
+    ``disable_dropout``, as in the RL stage) to Monte-Carlo returns (lambda = 1, discounted
+    by ``advantage.gamma`` as the RL targets are), in ``optim.mini_batches`` mini-batches
+    at ``critic.lr``. The prompts come from a stream seeded by ``seed + PRETRAIN_STREAM``
+    and the samples from the seeds of the ``value_pretrain`` stream, not the run's.
+    ``history`` adds ``rollouts`` (responses sampled) to
     :func:`~anchor_rl.models.value_pretrain.pretrain_value`'s and ``from_cache``.
     """
     cc, oc, rc = cfg.critic, cfg.optim, cfg.rollout
@@ -133,10 +135,17 @@ def pretrain_critic(
         return batch, score(task, batch, records, cfg).rewards
 
     size = rc.prompts_per_step * rc.n
+
+    def build() -> Critic:
+        critic = new_critic(cfg, policy)
+        if cfg.disable_dropout:  # pretrained as it will be trained
+            disable_dropout(critic)
+        return critic
+
     critic, history = pretrain_value_cached(
         cache_root() / "critic",
         pretrain_key(cfg, policy),
-        lambda: new_critic(cfg, policy),
+        build,
         sample,
         cc.pretrain_steps,
         cc.lr,
@@ -159,7 +168,8 @@ def pretrain_critic(
 
 def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
     """What value pretraining's result depends on besides its own settings: the reference
-    weights (a digest), the critic mode, the task, the sampling and reward settings, the seed."""
+    weights (a digest), the critic mode, the task, the sampling and reward settings, the
+    seed, and whether dropout is off."""
     return {
         "format": PRETRAIN_FORMAT,
         "policy_sha256": weights_digest(policy),
@@ -169,6 +179,7 @@ def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
         "rollout": cfg.rollout.model_dump(mode="json"),
         "reward": cfg.reward.model_dump(mode="json"),
         "seed": cfg.seed,
+        "disable_dropout": cfg.disable_dropout,
     }
 
 

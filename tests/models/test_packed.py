@@ -1,6 +1,5 @@
-"""Linear layers with pre-packed (oneDNN-reordered) weights and oneDNN products on plain
-weights: the same products (and gradients) as the modules' own forward, which weights are
-packed, that a forward with grad never is, and which products go to oneDNN."""
+"""Linear layers with pre-packed (oneDNN-reordered) weights: the same products as the
+modules' own forward, which weights are packed, and that a forward with grad never is."""
 
 from __future__ import annotations
 
@@ -57,10 +56,10 @@ def test_packed_products_equal_the_modules_forward(dtype):
 def test_forwards_with_grad_and_small_models_are_not_packed(monkeypatch):
     big, biased, small = layers(torch.float32)
     model = nn.Sequential(big, nn.ReLU(), biased)
-    assert linears_for(model, 8) is packed.onednn  # grad enabled: the update's forward
+    assert linears_for(model, 8) is plain  # grad enabled: the update's forward
     with torch.no_grad():
         assert isinstance(linears_for(model, 8), PackedLinears)
-        assert linears_for(nn.Sequential(small), 8) is packed.onednn  # nothing worth packing
+        assert linears_for(nn.Sequential(small), 8) is plain  # nothing worth packing
         monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 1)
         assert isinstance(linears_for(nn.Sequential(small), 8), PackedLinears)
         assert len(PackedLinears([small.to(torch.float16)], 8)) == 0  # not a packed dtype
@@ -71,60 +70,6 @@ def test_forwards_with_grad_and_small_models_are_not_packed(monkeypatch):
             assert linears_for(model, 8) is plain
         monkeypatch.setattr(packed, "ENABLED", False)  # ANCHOR_RL_PACKED=off
         assert linears_for(model, 8) is plain
-    assert linears_for(model, 8) is plain
-
-
-def _by_onednn(y: torch.Tensor) -> bool:
-    return type(y.grad_fn).__name__ == "OneDNNProductBackward"
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_onednn_products_and_their_gradients_equal_the_modules(bias):
-    """Forward, input, weight and bias gradients within float32 rounding, for 2-D, 3-D and
-    non-contiguous inputs, and with only some inputs needing a gradient."""
-    torch.manual_seed(0)
-    module = nn.Linear(96, 160, bias=bias)
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(300, 96, generator=gen), torch.randn(3, 110, 96, generator=gen),
-          torch.randn(96, 400, generator=gen).t()]  # fmt: skip
-    params = [module.weight, *([module.bias] if bias else [])]
-    for x in xs:
-        x.requires_grad_(True)
-        got = packed.onednn(module, x)
-        assert _by_onednn(got)
-        expected = module(x)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        grad = torch.randn(expected.shape, generator=gen)
-        got_grads = torch.autograd.grad(got, [x, *params], grad)
-        expected_grads = torch.autograd.grad(expected, [x, *params], grad)
-        for a, b in zip(got_grads, expected_grads, strict=True):
-            assert a.shape == b.shape
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
-    x = xs[0].detach()  # a frozen input (the first layer's): only the weight's gradient
-    (weight_grad,) = torch.autograd.grad(packed.onednn(module, x).sum(), [module.weight])
-    torch.testing.assert_close(
-        weight_grad, torch.autograd.grad(module(x).sum(), [module.weight])[0]
-    )
-
-
-def test_onednn_takes_only_what_it_is_faster_at(monkeypatch):
-    """Float32 CPU products of at least ONEDNN_MIN_ROWS rows through an unhooked plain
-    nn.Linear, outside autocast; anything else runs the module's forward."""
-    torch.manual_seed(0)
-    module = nn.Linear(64, 64)
-    rows = packed.ONEDNN_MIN_ROWS
-    x = torch.randn(rows, 64, requires_grad=True)
-    assert _by_onednn(packed.onednn(module, x))
-    assert not _by_onednn(packed.onednn(module, x[: rows - 1]))  # too few rows
-    assert _by_onednn(packed.onednn(module, x.view(2, rows // 2, 64)))  # rows of any shape
-    assert packed.onednn(module.to(torch.bfloat16), x.bfloat16()).grad_fn is not None
-    assert not _by_onednn(packed.onednn(module, x.bfloat16()))  # aten's bf16 is oneDNN's
-    module.float()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not _by_onednn(packed.onednn(module, x))  # autocast casts for aten only
-    hooked = nn.Linear(64, 64)
-    hooked.register_forward_hook(lambda _m, _args, out: out * 2)
-    torch.testing.assert_close(packed.onednn(hooked, x), hooked(x))  # the hook ran
 
 
 def test_packs_are_copies_of_the_weights_at_packing_time():

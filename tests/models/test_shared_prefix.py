@@ -10,7 +10,7 @@ from helpers import llama_variants, response_batch, scores_and_gradients
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from anchor_rl.models import llama, packed, scoring, shared_prefix
-from anchor_rl.models.packed import PackedLinears, linears_for
+from anchor_rl.models.packed import PackedLinears, linears_for, plain
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
@@ -55,17 +55,14 @@ def test_layout_of_a_hand_example(monkeypatch):
     assert two.cells.tolist() == [0, 1]
 
 
-@pytest.mark.parametrize(("bucket_rows", "onednn"), [(16, False), (2, False), (16, True)])
+@pytest.mark.parametrize("bucket_rows", [16, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradients(
-    name, bucket_rows, onednn, monkeypatch
+    name, bucket_rows, monkeypatch
 ):
     """With one attention grid for every row (16) and with several (2: rows of different
-    lengths in buckets of two); with the token-wide products on oneDNN (its row threshold
-    lowered to 1: this batch has 14 tokens) and not."""
+    lengths in buckets of two)."""
     monkeypatch.setattr(shared_prefix, "BUCKET_ROWS", bucket_rows)
-    monkeypatch.setattr(packed, "ENABLED", True)
-    monkeypatch.setattr(packed, "ONEDNN_MIN_ROWS", 1 if onednn else 1 << 60)
     model = MODELS[name].train()
     p1, p2, p3 = [5, 20, 21, 30, 31], [40, 41], [9, 60, 61]
     prompts = [p1, p2, p1, p3, p1, p2, p1]  # groups of 4, 2 and 1
@@ -102,7 +99,7 @@ def test_scoring_without_grad_packs_the_weights_and_gives_the_same_logprobs(name
     torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-5)
     token_logprobs(model, batch, shared=True)  # grad on
-    assert chosen[-1] is packed.onednn
+    assert chosen[-1] is plain
 
 
 def test_a_batch_of_empty_responses_scores_to_zeros():

@@ -15,6 +15,7 @@ from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.models.value_pretrain import mc_returns
+from anchor_rl.tasks import get_task
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer import critic as critic_mod
 from anchor_rl.trainer import loop as loop_mod
@@ -367,6 +368,31 @@ def test_pretraining_knob(parity, tiny, tmp_path, monkeypatch) -> None:
 
 def _fail(*args, **kwargs):
     raise AssertionError("pretraining ran")
+
+
+def test_pretraining_fits_a_critic_without_dropout_to_the_runs_discount(monkeypatch) -> None:
+    """The critic pretrained is the one the RL stage trains (dropout off unless
+    disable_dropout=false), on the run's discount; both are in the cache key."""
+    seen = {}
+
+    def capture(cache_dir, key, build, *args, **kwargs):
+        seen.update(key=key, critic=build(), gamma=kwargs["gamma"])
+        raise AssertionError("captured")
+
+    monkeypatch.setattr(critic_mod, "pretrain_value_cached", capture)
+    dropping = build_model("tiny", build_tokenizer(), seed=0)
+    for layer in dropping.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    for overrides, off in ((["critic.pretrain_steps=2"], True),
+                           (["critic.pretrain_steps=2", "disable_dropout=false"], False)):  # fmt: skip
+        cfg = _cfg(*overrides, "advantage.gamma=0.9", preset="vapo")
+        with pytest.raises(AssertionError, match="captured"):
+            critic_mod.pretrain_critic(cfg, dropping, None, get_task("arithmetic"))
+        rates = {
+            m.attention_dropout for m in seen["critic"].modules() if hasattr(m, "attention_dropout")
+        }
+        assert rates == ({0.0} if off else {0.1})
+        assert seen["gamma"] == 0.9 and seen["key"]["disable_dropout"] is off
 
 
 # --- the critic's update -------------------------------------------------------------
