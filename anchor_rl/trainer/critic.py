@@ -57,7 +57,7 @@ from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.update import layout
+from anchor_rl.trainer.update import layout, loss_mask
 
 
 class ValueLearners(Protocol):
@@ -116,9 +116,10 @@ def pretrain_critic(
 
     Each of ``critic.pretrain_steps`` steps samples ``rollout.prompts_per_step`` fresh
     prompts x ``rollout.n`` responses from the policy as it is now (the fixed reference),
-    scores them with the training reward and fits the critic (its dropout off when
-    ``disable_dropout``, as in the RL stage) to Monte-Carlo returns (lambda = 1, discounted
-    by ``advantage.gamma`` as the RL targets are), in ``optim.mini_batches`` mini-batches
+    scores them with the training reward and fits the critic as the RL stage does (its
+    dropout off when ``disable_dropout``; on the tokens of ``update.loss_mask``, without
+    truncated responses under ``loss.mask_truncated``) to Monte-Carlo returns (lambda = 1,
+    discounted by ``advantage.gamma`` as the RL targets are), in ``optim.mini_batches`` mini-batches
     at ``critic.lr``. The prompts come from a stream seeded by ``seed + PRETRAIN_STREAM``
     and the samples from the seeds of the ``value_pretrain`` stream, not the run's.
     ``history`` adds ``rollouts`` (responses sampled) to
@@ -132,7 +133,9 @@ def pretrain_critic(
         records = sampler.take(rc.prompts_per_step)
         draws = range(first, first + len(records))
         batch = generate(engine, task, records, draws, cfg, stream="value_pretrain")
-        return batch, score(task, batch, records, cfg).rewards
+        rewards = score(task, batch, records, cfg).rewards
+        batch.loss_mask = loss_mask(batch, cfg)  # the tokens the RL stage fits values on
+        return batch, rewards
 
     size = rc.prompts_per_step * rc.n
 
@@ -169,7 +172,7 @@ def pretrain_critic(
 def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
     """What value pretraining's result depends on besides its own settings: the reference
     weights (a digest), the critic mode, the task, the sampling and reward settings, the
-    seed, and whether dropout is off."""
+    seed, whether dropout is off and whether truncated responses are fitted."""
     return {
         "format": PRETRAIN_FORMAT,
         "policy_sha256": weights_digest(policy),
@@ -180,6 +183,7 @@ def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
         "reward": cfg.reward.model_dump(mode="json"),
         "seed": cfg.seed,
         "disable_dropout": cfg.disable_dropout,
+        "mask_truncated": cfg.loss.mask_truncated,
     }
 
 

@@ -370,6 +370,34 @@ def _fail(*args, **kwargs):
     raise AssertionError("pretraining ran")
 
 
+def test_pretraining_fits_the_tokens_the_rl_stage_fits(monkeypatch) -> None:
+    """Under loss.mask_truncated a truncated response is out of the RL stage's value loss,
+    so it is out of pretraining's too; the setting is in the cache key."""
+    from types import SimpleNamespace
+
+    seen = {}
+
+    def capture(cache_dir, key, build, sample_fn, *args, **kwargs):
+        seen.update(key=key, sampled=sample_fn(0))
+        raise AssertionError("captured")
+
+    batch = _toy_batch([[5], [6]], [[10, 11], [12, 13]], [[1, 1], [1, 1]])
+    batch.truncated = torch.tensor([True, False])
+    monkeypatch.setattr(critic_mod, "generate", lambda *args, **kwargs: batch)
+    rewards = SimpleNamespace(rewards=torch.tensor([0.0, 1.0]))
+    monkeypatch.setattr(critic_mod, "score", lambda *args, **kwargs: rewards)
+    monkeypatch.setattr(critic_mod, "pretrain_value_cached", capture)
+    cfg = _cfg("critic.pretrain_steps=2", "loss.mask_truncated=true", preset="vapo")
+    with pytest.raises(AssertionError, match="captured"):
+        model = build_model("tiny", build_tokenizer(), seed=0)
+        critic_mod.pretrain_critic(cfg, model, None, get_task("arithmetic"))
+    fitted, got = seen["sampled"]
+    assert fitted.loss_mask.tolist() == [[0.0, 0.0], [1.0, 1.0]] and torch.equal(
+        got, rewards.rewards
+    )
+    assert seen["key"]["mask_truncated"] is True
+
+
 def test_pretraining_fits_a_critic_without_dropout_to_the_runs_discount(monkeypatch) -> None:
     """The critic pretrained is the one the RL stage trains (dropout off unless
     disable_dropout=false), on the run's discount; both are in the cache key."""
