@@ -689,12 +689,11 @@ def _cut_at_stop(tok: PreTrainedTokenizerBase, ids: list[int], stop: str, skip: 
     spell the stop earlier, so the cut is measured from the end: the kept text from the
     stop on, which holds no special token, ends the skipped text too."""
     kept = tok.decode(ids)
+    full = tok.decode(ids, skip_special_tokens=True) if skip else kept
     at = kept.find(stop)
     if at < 0:  # not found (decoding is not always the sampler's): cut nothing
-        return tok.decode(ids, skip_special_tokens=skip)
-    if not skip:
-        return kept[:at]
-    full, tail = tok.decode(ids, skip_special_tokens=True), kept[at:]
+        return full
+    tail = kept[at:]
     if full.endswith(tail):
         return full[: len(full) - len(tail)]
     last = full.rfind(stop)

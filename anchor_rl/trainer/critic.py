@@ -94,10 +94,13 @@ def new_critic(cfg: TrainConfig, policy: PreTrainedModel) -> Critic:
 
 
 def configured(critic: Critic, cfg: TrainConfig) -> Critic:
-    """``critic`` with the run's scoring layout: shared prefixes unless
-    ``optim.shared_prefix`` or ``optim.padding_free`` is off (``on`` acts as ``auto``: the
-    critic shares where a prompt repeats and its layers allow)."""
+    """``critic`` with the run's settings, in place: its scoring layout (shared prefixes
+    unless ``optim.shared_prefix`` or ``optim.padding_free`` is off; ``on`` acts as
+    ``auto``: the critic shares where a prompt repeats and its layers allow) and its
+    dropout off when ``disable_dropout`` (for value pretraining as for the RL stage)."""
     critic.shared_prefix = layout(cfg)["shared"] is not False
+    if cfg.disable_dropout:
+        disable_dropout(critic)
     return critic
 
 
@@ -139,16 +142,10 @@ def pretrain_critic(
 
     size = rc.prompts_per_step * rc.n
 
-    def build() -> Critic:
-        critic = new_critic(cfg, policy)
-        if cfg.disable_dropout:  # pretrained as it will be trained
-            disable_dropout(critic)
-        return critic
-
     critic, history = pretrain_value_cached(
         cache_root() / "critic",
         pretrain_key(cfg, policy),
-        build,
+        lambda: new_critic(cfg, policy),
         sample,
         cc.pretrain_steps,
         cc.lr,
@@ -355,8 +352,6 @@ class PPOCritic(Component):
             (Path(setup.run_dir) / PRETRAIN_FILE).write_text(json.dumps(history, indent=2) + "\n")
             self.value_pretrain_rollouts = history["rollouts"]
             configured(self.critic, cfg)  # a critic from the cache has the defaults
-        if cfg.disable_dropout:
-            disable_dropout(self.critic)
         self.optimizer = critic_optimizer(cfg, self.critic)
         self.learners: Callable[[], ValueLearners] | None = None
 
