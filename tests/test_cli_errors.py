@@ -75,6 +75,7 @@ def _write_files(root: Path) -> None:
     (root / "import_fails.py").write_text(PLUGIN_IMPORT_FAILS)
     (root / "estimator_fails.py").write_text(PLUGIN_ESTIMATOR_FAILS)
     (root / "empty").mkdir()
+    (root / "not_a_store.db").write_text("these are notes, not an SQLite database\n" * 20)
 
 
 def _file_task(path: str) -> str:
@@ -117,6 +118,12 @@ CASES = {
     "a server that is not running": Case(
         ("eval", "--model", "http:http://127.0.0.1:9/v1", "--task", "arithmetic", "--limit", "1"),
         2, "cannot reach http://127.0.0.1:9/v1/tokenizer",
+    ),
+    "anchor keys of a file that is no store": Case(
+        ("anchors", "keys", "not_a_store.db"), 2, "not_a_store.db is not an anchor store",
+    ),
+    "a preset given as an override": Case(
+        ("train", "preset=dapo", "steps=1"), 2, "start from a preset with --preset dapo",
     ),
     "report of a directory with no results": Case(("report", "empty"), 2, "no results under empty"),
     "unknown bench suite": Case(("bench", "baslines"), 2, "unknown suite 'baslines'"),
@@ -172,6 +179,25 @@ def test_a_missing_model_is_a_usage_error_on_every_command(tmp_path, command) ->
                      {"COLUMNS": "300"})  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "Invalid value for --model" in done.stderr and "neither a model directory" in done.stderr
+
+
+EVAL_USAGE_ERRORS = {
+    "a task argument out of range": (
+        ("--task-kwargs", '{"levels": [[9, 9]]}'), "Invalid value for --task: level (9, 9)"),
+    "top_p = 0": (("--top-p", "0", "--max-new-tokens", "8"), "top_p must be in (0, 1]"),
+    "a negative limit": (("--limit", "-2"), "Invalid value for '--limit'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(EVAL_USAGE_ERRORS))
+def test_bad_eval_options_are_usage_errors(tmp_path, name) -> None:
+    """Not an 'unexpected error' (exit 1) nor a silent reading (--limit -2 once dropped the
+    last two records)."""
+    extra, message = EVAL_USAGE_ERRORS[name]
+    args = ("eval", "--model", "random:tiny", "--task", "arithmetic", *extra)
+    done = _run_here(args, tmp_path, {"COLUMNS": "300"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert message in done.stderr, done.stderr
 
 
 def test_debug_shows_the_traceback(tmp_path) -> None:

@@ -156,12 +156,13 @@ def _setup(
             f"unknown split {split!r}; choose train or test", param_hint="--split"
         )
     records = task_obj.records(split)[:limit]
-    params = task_params(
-        SamplingParams(
+    try:
+        sampling = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, max_turns=max_turns
-        ),
-        task_obj,
-    )
+        )
+    except ValueError as exc:  # e.g. top_p = 0
+        raise typer.BadParameter(str(exc)) from exc
+    params = task_params(sampling, task_obj)
     task_id = task_identity(task, task_obj, kwargs)
     if model.startswith("http:"):
         engine = _served(model, tokenizer_dir)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.anchors.keys import AnchorKey, canonical_json
+from anchor_rl.errors import AnchorRLError
 
 __all__ = ["AnchorStat", "AnchorStore", "TeacherTrajectory", "anchor_values"]
 
@@ -206,7 +207,11 @@ class AnchorStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
         self._depth = 0
-        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.DatabaseError as exc:  # another kind of file: not ours to touch
+            self._conn.close()
+            raise AnchorRLError(f"{self.path} is not an anchor store ({exc})") from None
         if mode.lower() != "wal":
             raise RuntimeError(
                 f"{self.path}: SQLite refused WAL mode (got {mode!r}); use a local file system"

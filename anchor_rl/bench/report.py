@@ -707,7 +707,7 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
             )
         )
         header = ["size", "layout", "parameters", "rollout tok/s", "update tok/s", "s/step",
-                  "generate", "score", "update", "other"]  # fmt: skip
+                  "generate", "score", "update", "sync", "other"]  # fmt: skip
         rows = []
         for row in payload["rows"]:
             f = row["figures"]
@@ -719,9 +719,10 @@ def _throughput_section(results: Results, out: Path) -> list[Block]:
                     f"{f['rollout_tok_s']:.0f}" if "rollout_tok_s" in f else "–",
                     f"{f['update_tok_s']:.0f}",
                     f"{f['s_per_step']:.2f}",
+                    # runs from before the weight push had its own timer have no sync share
                     *(
-                        f"{100 * f[f'frac_{k}']:.1f}%"
-                        for k in ("generate", "score", "update", "other")
+                        f"{100 * f[f'frac_{k}']:.1f}%" if f"frac_{k}" in f else "–"
+                        for k in ("generate", "score", "update", "sync", "other")
                     ),
                 ]
             )

@@ -8,7 +8,9 @@ is a warm-up and is left out when there are more):
 * rollout tokens/s = policy tokens generated / seconds in ``time/generate``;
 * update tokens/s = the same tokens / seconds in ``time/update`` (old and reference
   log-probs, advantage, optimizer step);
-* the fraction of ``time/step`` in generate, score, update and the rest;
+* the fraction of ``time/step`` in generate, score, update, sync (the new weights pushed to
+  the rollout engine: nothing for an engine that shares the learner's model, a trip through
+  the object store for Ray workers) and the rest;
 * each throughput as a fraction of the machine's measured matmul FLOP/s at the run's
   shapes and thread count (:func:`peak_fractions`): 2 x parameters x rollout tokens/s,
   6 x parameters x update tokens/s.
@@ -51,9 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from anchor_rl.bench.runner import BenchArgs, Suite, plan, run_spec
+from anchor_rl.trainer.timing import STEP_STAGES
 
 SIZE_ORDER = ("tiny", "small", "base")
-STAGES = ("generate", "score", "update")
+STAGES = STEP_STAGES
 WARMUP_STEPS = 1
 
 
@@ -197,6 +200,12 @@ def default_layouts(device: str, size: str, profile: str | None = None) -> tuple
     return ("",)
 
 
+def _stage_seconds(record: Mapping[str, float], stage: str) -> float:
+    if stage == "sync":  # runs from before the weight push had its own timer: in time/update
+        return record.get("time/sync", 0.0)
+    return record[f"time/{stage}"]
+
+
 def stage_figures(
     records: Sequence[Mapping[str, float]], warmup: int = WARMUP_STEPS
 ) -> dict[str, float]:
@@ -204,15 +213,15 @@ def stage_figures(
 
     The first ``warmup`` training steps are left out when more steps than that exist.
     Returns ``steps`` (measured), ``tokens_per_step``, ``s_per_step``, ``rollout_tok_s`` (not
-    for asynchronous rollouts), ``update_tok_s`` and ``frac_generate``, ``frac_score``, ``frac_update``, ``frac_other``
-    (shares of the summed ``time/step``).
+    for asynchronous rollouts), ``update_tok_s`` and ``frac_<stage>`` for each of
+    :data:`STAGES` and ``other`` (shares of the summed ``time/step``).
     """
     steps = [r for r in records if r["step"] > 0]
     if not steps:
         raise ValueError("the run has no training step in its metrics")
     measured = steps[warmup:] if len(steps) > warmup else steps
     tokens = sum(r["tokens/step"] for r in measured)
-    seconds = {s: sum(r[f"time/{s}"] for r in measured) for s in STAGES}
+    seconds = {s: sum(_stage_seconds(r, s) for r in measured) for s in STAGES}
     total = sum(r["time/step"] for r in measured)
     out = {
         "steps": float(len(measured)),
@@ -535,6 +544,11 @@ def _count(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _share(value: float | None) -> str:
+    """A stage's share of the step, "–" where the run did not time it."""
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
 def markdown(payload: Mapping[str, Any]) -> str:
     """The figures as a markdown table, with the setting and the command."""
     host, s = payload["host"], payload["settings"]
@@ -558,8 +572,9 @@ def markdown(payload: Mapping[str, Any]) -> str:
         "and thread count (a decode step's rows; the step's policy tokens).",
         "",
         "| size | layout | parameters | tokens/step | rollout tok/s | update tok/s | s/step "
-        "| generate | score | update | other | rollout of peak | update of peak |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| generate | score | update | sync | other | rollout of peak | update of peak |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for row in payload["rows"]:
         f = row["figures"]
@@ -567,7 +582,7 @@ def markdown(payload: Mapping[str, Any]) -> str:
             f"| {row['size']} | {row.get('layout', '1 process')} | {row['parameters'] / 1e6:.1f}M "
             f"| {f['tokens_per_step']:.0f} | "
             f"{_count(f.get('rollout_tok_s'))} | {f['update_tok_s']:.0f} | {f['s_per_step']:.2f} | "
-            + " | ".join(f"{100 * f[f'frac_{k}']:.1f}%" for k in (*STAGES, "other"))
+            + " | ".join(_share(f.get(f"frac_{k}")) for k in (*STAGES, "other"))
             + " | "
             + " | ".join(
                 f"{100 * f[key]:.1f}%" if key in f else "–"
@@ -588,7 +603,7 @@ def plot_stages(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     labels = [f"{r['size']}, {r.get('layout', '1 process')}" for r in rows]
     left = [0.0] * len(rows)
     for stage in (*STAGES, "other"):
-        widths = [r["figures"][f"frac_{stage}"] * r["figures"]["s_per_step"] for r in rows]
+        widths = [r["figures"].get(f"frac_{stage}", 0.0) * r["figures"]["s_per_step"] for r in rows]
         ax.barh(labels, widths, left=left, label=stage)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_xlabel("seconds per step")

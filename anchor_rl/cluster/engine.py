@@ -16,7 +16,17 @@ learner to the workers is what verl and OpenRLHF do, and it is not built here.
 A worker that dies (killed, out of memory, its node lost) is replaced by a new actor
 given the last synced weights, and the work it had is sent again; per-request seeding
 makes the re-sampled responses the same. The engine logs a warning and counts it in
-:attr:`RayEngine.restarts`.
+:attr:`RayEngine.restarts`, once per death: each call sent remembers the actor it went to,
+and a call whose actor was already replaced (by another call that met the death first) is
+sent again to the replacement, without a second restart.
+
+The re-sent work is sampled with the weights the replacement holds: the last synced ones.
+A rollout sent before a :meth:`RayEngine.sync_weights` (:meth:`RayEngine.submit`,
+asynchronous rollouts) whose worker died before sampling it is therefore re-sampled with
+the newer weights: those rows are other responses than the lost ones, their log-probs
+(``batch.logprobs``) are the newer weights', which the asynchronous update divides by
+(:mod:`anchor_rl.trainer.asynchronous`), and they are fresher than the batch's reported
+staleness, a maximum over its rows. The warning says so.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -143,7 +153,7 @@ class RayEngine:
         self.startup_timeout = startup_timeout
         self.restarts = self.syncs = 0
         self._weights: Any = None  # ObjectRef of the last synced CPU state dict
-        self._workers: list[Any] = []
+        self._workers: list[Any] = []  # the current actor of each worker slot
         self._pids: list[int] = []
         actors = [self._spawn() for _ in range(workers)]
         self._workers, self._pids = actors, self._wait_started(actors)
@@ -274,26 +284,31 @@ class RayEngine:
         :meth:`_gather`)."""
         return self._gather(calls, self._dispatch(calls))
 
-    def _dispatch(self, calls: dict[int, tuple[str, tuple]]) -> dict[Any, int]:
-        """Send ``method(*args)`` to each worker ``w`` of ``calls``: object ref -> worker."""
-        return {
-            getattr(self._workers[w], method).remote(*args): w
-            for w, (method, args) in calls.items()
-        }
+    def _dispatch(self, calls: dict[int, tuple[str, tuple]]) -> dict[Any, _Sent]:
+        """Send ``method(*args)`` to each worker ``w`` of ``calls``: object ref -> where it
+        went (:class:`_Sent`)."""
+        return {self._send(w, method, args): _Sent(w, self._workers[w], self.syncs)
+                for w, (method, args) in calls.items()}  # fmt: skip
+
+    def _send(self, w: int, method: str, args: tuple) -> Any:
+        return getattr(self._workers[w], method).remote(*args)
 
     def _gather(
-        self, calls: dict[int, tuple[str, tuple]], pending: dict[Any, int]
+        self, calls: dict[int, tuple[str, tuple]], pending: dict[Any, _Sent]
     ) -> dict[int, Any]:
-        """The results of dispatched ``calls`` by worker; a worker that dies is restarted
-        and its call sent again (at most MAX_RESTARTS_PER_CALL times). Errors raised by the
-        work itself (a bad request) propagate unchanged."""
+        """The results of dispatched ``calls`` by worker. A call whose actor died is sent
+        again (at most MAX_RESTARTS_PER_CALL times) to the worker's current actor: a new
+        one if the dead actor is still the worker's (restarted here), else the replacement
+        another call started when it met the death first (one death, one restart). Errors
+        raised by the work itself (a bad request) propagate unchanged."""
         ray = self._ray
         pending = dict(pending)
         results: dict[int, Any] = {}
         tries = dict.fromkeys(calls, 0)
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
-            w = pending.pop(ref)
+            sent = pending.pop(ref)
+            w = sent.worker
             method, args = calls[w]
             try:
                 results[w] = ray.get(ref)
@@ -305,9 +320,34 @@ class RayEngine:
                         f"giving up (last error: {exc})"
                     ) from exc
                 n = len(args[0]) if method == "rollout" else 0
-                self._restart(w, method, exc, n)
-                pending[getattr(self._workers[w], method).remote(*args)] = w
+                if self._workers[w] is sent.actor:
+                    self._restart(w, method, exc, n)
+                else:
+                    logger.warning(
+                        "a %s call sent to rollout worker %d before it died and was restarted "
+                        "(pid %d now) failed (%s); re-sent its %s to the new worker",
+                        method, w, self._pids[w], type(exc).__name__,
+                        f"{n} requests" if n else "call",
+                    )  # fmt: skip
+                if method == "rollout" and self.syncs > sent.syncs:
+                    logger.warning(
+                        "rollout worker %d samples its %d re-sent requests with the weights "
+                        "of %d later sync(s) than the ones they were sent with: other "
+                        "responses, with those weights' log-probs, fresher than the "
+                        "batch's staleness says",
+                        w, n, self.syncs - sent.syncs,
+                    )  # fmt: skip
+                pending[self._send(w, method, args)] = _Sent(w, self._workers[w], self.syncs)
         return results
+
+
+class _Sent(NamedTuple):
+    """Where a dispatched call went: worker slot, the actor it was then, and
+    :attr:`RayEngine.syncs` then (the weights a rollout is sampled with)."""
+
+    worker: int
+    actor: Any
+    syncs: int
 
 
 class PendingRollout:
@@ -317,7 +357,7 @@ class PendingRollout:
         self,
         engine: RayEngine,
         calls: dict[int, tuple[str, tuple]],
-        pending: dict[Any, int],
+        pending: dict[Any, _Sent],
         shards: list[list[int]],
     ) -> None:
         self._engine, self._calls, self._pending, self._shards = engine, calls, pending, shards

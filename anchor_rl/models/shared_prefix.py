@@ -197,6 +197,15 @@ def sdpa_backends(device: str) -> AbstractContextManager:
     return nullcontext()
 
 
+def expand_kv_heads(device: str) -> bool:
+    """Whether grouped-query attention on ``device`` (a device type) repeats the key and value
+    heads before the masked attention instead of passing ``enable_gqa``: on CUDA, whose fused
+    SDPA kernels take a mask or shared key/value heads but not both (with both PyTorch falls
+    back to its unfused math kernel, as transformers' own SDPA path avoids by the same
+    repetition); elsewhere not."""
+    return device == "cuda"
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -212,9 +221,13 @@ def _attend(
     upcast = device == "cpu" and (torch.is_autocast_enabled(device) or dtype != torch.float32)
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and expand_kv_heads(device):
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        grouped = False
     with torch.autocast(device, enabled=False) if upcast else nullcontext(), sdpa_backends(device):
         out = scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=grouped
         )
     return out.to(dtype).transpose(1, 2).flatten(2)
 

@@ -3,8 +3,9 @@
 Signature: ``fn(prompts, completions, **columns) -> list[float | None]`` with one entry
 per completion. A completion is a string, or a list of chat messages (``{"role",
 "content"}``) whose contents are joined. ``answer[i]`` is the gold answer of sample i: a
-string, or a list of accepted strings (a gold answer with its aliases); a None answer
-gives a None reward (no verdict). Other columns are ignored.
+string, or a list of accepted strings (a gold answer with its aliases); any other scalar
+(a number) is read as its ``str``; a None answer gives a None reward (no verdict). Other
+columns are ignored.
 
 Every function returns in bounded time on any completion (answer extraction and the QA
 scores are linear in its length; a math answer over
@@ -16,7 +17,7 @@ failure, as :class:`anchor_rl.tasks.reward_set.RewardedTask` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from anchor_rl.rewards.extract import extract_answer
@@ -41,7 +42,12 @@ def _text(completion: Any) -> str:
 def _golds(answer: Any) -> list[str] | None:
     if answer is None:
         return None
-    golds = [answer] if isinstance(answer, str) else [str(a) for a in answer]
+    if isinstance(answer, str):
+        golds = [answer]
+    elif isinstance(answer, Iterable) and not isinstance(answer, Mapping | bytes):
+        golds = [str(a) for a in answer]  # a gold answer with its aliases
+    else:
+        golds = [str(answer)]  # a scalar: 42, 0.5
     if not golds:
         raise ValueError("empty list of gold answers")
     return golds

@@ -32,16 +32,21 @@ def eval_command(
     temperature: Annotated[
         float, typer.Option(help="Sampling temperature (0: greedy).", min=0.0)
     ] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(help="Nucleus sampling mass, in (0, 1].", min=0.0, max=1.0)
+    ] = 1.0,
     max_new_tokens: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Bound on each response, tool output included. "
-            "Default: 1.5 x the longest reference trace, rounded up to 32 tokens."
+            "Default: 1.5 x the longest reference trace, rounded up to 32 tokens.",
         ),
     ] = None,
-    max_turns: Annotated[int, typer.Option(help="Most tool calls per response.")] = 4,
-    limit: Annotated[int | None, typer.Option(help="Evaluate only the first N records.")] = None,
+    max_turns: Annotated[int, typer.Option(help="Most tool calls per response.", min=0)] = 4,
+    limit: Annotated[
+        int | None, typer.Option(help="Evaluate only the first N records.", min=1)
+    ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     task_kwargs: Annotated[
         str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
@@ -68,6 +73,7 @@ def eval_command(
     from rich.console import Console
     from rich.table import Table
 
+    from anchor_rl.errors import AnchorRLError
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
@@ -75,7 +81,12 @@ def eval_command(
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
     kwargs = parse_task_kwargs(task_kwargs)
-    task_obj = get_task(task, **kwargs)
+    try:
+        task_obj = get_task(task, **kwargs)
+    except AnchorRLError:  # a dataset's own error names the file and row: reported as is
+        raise
+    except (ValueError, TypeError) as exc:  # the task's arguments
+        raise typer.BadParameter(str(exc), param_hint="--task") from exc
     engine, tok, where = _engine(model, task, kwargs, seed, device, tokenizer)
     if max_new_tokens is None:
         try:
@@ -84,13 +95,16 @@ def eval_command(
             raise typer.BadParameter(
                 f"{exc}; pass it explicitly", param_hint="--max-new-tokens"
             ) from exc
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        max_turns=max_turns,
-        stop=task_obj.stop,
-    )
+    try:
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            max_turns=max_turns,
+            stop=task_obj.stop,
+        )
+    except ValueError as exc:  # e.g. top_p = 0
+        raise typer.BadParameter(str(exc)) from exc
     result = evaluate(engine, task_obj, split, k, params, limit, seed, progress=True)
     result["model"] = model
     if model.startswith("http:"):  # served: say which weights

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -98,16 +99,25 @@ refuses to convert a string of more than 4,300 digits, and the conversion is qua
 below that)."""
 
 
-def parse_int(text: str | None, max_digits: int = MAX_INT_DIGITS) -> int | None:
-    """An integer answer written as plain digits (optionally signed, commas allowed), else None.
+_THOUSANDS = re.compile(r"[+-]?(?!0)\d{1,3}(?:,\d{3})+")
+"""A number with thousands commas: 1 to 3 digits (no leading zero), then groups of three."""
 
-    Digits are ASCII or any other Unicode decimal digit (``int`` reads them); ``²`` or
-    ``1.0`` are no integer. A number with more than ``max_digits`` significant digits
+
+def parse_int(text: str | None, max_digits: int = MAX_INT_DIGITS) -> int | None:
+    """An integer answer written as plain digits (optionally signed), else None.
+
+    Commas are allowed only as thousands separators (``1,234``, ``-12,345,678``); ``4,3``,
+    ``1,2345``, ``0,123`` or ``,29`` are no integer. Digits are ASCII or any other Unicode
+    decimal digit (``int`` reads them); ``²`` or ``1.0`` are no integer. A number with more than ``max_digits`` significant digits
     (leading zeros not counted) is None too, without being converted; linear time.
     """
     if text is None:
         return None
-    text = text.strip().replace(",", "")
+    text = text.strip()
+    if "," in text:
+        if not _THOUSANDS.fullmatch(text):  # linear: the groups cannot overlap
+            return None
+        text = text.replace(",", "")
     sign, body = (text[0], text[1:]) if text[:1] in ("+", "-") else ("", text)
     if not body.isdecimal():
         return None

@@ -3,7 +3,9 @@
 A :class:`Format` says which column holds the question, the answer, an optional id and
 optional answer aliases; column names may be dotted paths into nested records
 (``reward_model.ground_truth``). A question stored as a list of chat messages
-(``[{"role": "user", "content": ...}]``) becomes the content of its last user message.
+(``[{"role": "user", "content": ...}]``) becomes the content of its last user message (a
+content given as a list of OpenAI-style parts, ``[{"type": "text", "text": ...}]``, is the
+concatenation of its text parts).
 
 Presets (``PRESETS``) for the usual files:
 
@@ -60,8 +62,10 @@ class Format:
             answer first and further accepted answers after it (added to the aliases).
         kind: ``"math"`` (math-verify equivalence) or ``"qa"`` (normalised string match).
         id: column(s) of the record id, the first one present wins; rows without one get
-            ``{file stem}-{row}``.
-        aliases: column with a list of extra accepted answers (kept in meta["aliases"]).
+            ``{file stem}-{row}`` (``{file stem}-{split}-{row}`` for ``train_path`` /
+            ``test_path`` files). Ids must be unique (DatasetError otherwise).
+        aliases: column with a list of extra accepted answers, or one string (one alias);
+            kept in meta["aliases"].
         answer_after: keep only the text after the last occurrence of this marker.
         strip_prefix, strip_suffix: removed from the question when present.
         meta: columns copied into ``Record.meta`` (missing ones are skipped).
@@ -120,7 +124,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         raise DatasetError(
             f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet"
         )
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is dropped
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -128,7 +132,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             raise DatasetError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     else:
         rows = []
-        for n, line in enumerate(text.splitlines(), 1):
+        # JSON lines end in "\n" (or "\r\n") only: str.splitlines() would also split on
+        # U+2028, U+2029 and U+0085, which JSON allows raw inside a string.
+        for n, line in enumerate(text.split("\n"), 1):
+            line = line.removesuffix("\r")
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -155,6 +162,25 @@ def _present(value: Any) -> bool:
     return value is not _MISSING and value is not None
 
 
+def _content_text(content: Any) -> str:
+    """A chat message's content: a string, or the text of a list of OpenAI-style parts."""
+    if isinstance(content, str):
+        return content
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        )
+    ):
+        return "".join(p["text"] for p in content)
+    raise DatasetError(
+        "the user message's content must be a string or a list of text parts "
+        f'([{{"type": "text", "text": ...}}]), got {content!r:.80}'
+    )
+
+
 def _question_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -162,8 +188,20 @@ def _question_text(value: Any) -> str:
         users = [m for m in value if m.get("role") == "user"]
         if not users:
             raise DatasetError("the chat-message question has no user message")
-        return str(users[-1].get("content", ""))
+        return _content_text(users[-1].get("content"))
     raise DatasetError(f"question must be a string or a list of chat messages, got {value!r:.80}")
+
+
+def _check_gold(text: str, kind: Kind, what: str = "answer") -> str:
+    """``text`` itself; DatasetError when it is empty (or, for QA, normalises to nothing),
+    since such a gold would accept an empty answer, or none."""
+    if not text:
+        raise DatasetError(f"empty {what}")
+    if kind == "qa" and not qa.normalize_answer(text):
+        raise DatasetError(
+            f"{what} {text!r:.80} is empty once normalised (articles and punctuation dropped)"
+        )
+    return text
 
 
 def _golds(value: Any, fmt: Format) -> list[str]:
@@ -178,15 +216,46 @@ def _golds(value: Any, fmt: Format) -> list[str]:
             if fmt.answer_after not in text:
                 raise DatasetError(f"answer has no {fmt.answer_after!r} marker: {text[-80:]!r}")
             text = text.rsplit(fmt.answer_after, 1)[1]
-        golds.append(text.strip())
+        golds.append(_check_gold(text.strip(), fmt.kind))
     return golds
 
 
-def load_records(path: str | Path, fmt: Format, limit: int | None = None) -> list[Record]:
-    """Records of one file under ``fmt`` (the first ``limit`` rows when given)."""
+def _aliases(value: Any, kind: Kind) -> list[str]:
+    """The aliases column's value: a list of accepted answers, or one string."""
+    if isinstance(value, str):
+        values = [value]
+    elif isinstance(value, list):
+        values = [str(a) for a in value]
+    else:
+        raise DatasetError(
+            f"aliases must be a list of strings or a string, got {type(value).__name__}: "
+            f"{value!r:.80}"
+        )
+    return [_check_gold(a.strip(), kind, "alias") for a in values]
+
+
+def _check_limit(limit: Any) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise DatasetError(
+            f"limit must be a whole number >= 1 (or None for all rows), got {limit!r}"
+        )
+
+
+def load_records(
+    path: str | Path, fmt: Format, limit: int | None = None, split: Split | None = None
+) -> list[Record]:
+    """Records of one file under ``fmt`` (the first ``limit`` rows when given; ``limit`` >= 1).
+
+    A row without an id gets ``{file stem}-{row}``, or ``{file stem}-{split}-{row}`` when
+    ``split`` is given (the file is one split of a pair, so ids stay distinct across the
+    two even when both files have the same name). A repeated id is a DatasetError.
+    """
+    _check_limit(limit)
     path = Path(path)
     rows = read_rows(path)[:limit]
+    stem = path.stem if split is None else f"{path.stem}-{split}"
     records = []
+    first_row: dict[str, int] = {}
     for i, row in enumerate(rows):
         where = f"{path.name} row {i}"
         values = {name: _get(row, name) for name in (fmt.question, fmt.answer)}
@@ -196,19 +265,24 @@ def load_records(path: str | Path, fmt: Format, limit: int | None = None) -> lis
         try:
             question = _question_text(values[fmt.question])
             answer, *more = _golds(values[fmt.answer], fmt)
+            if fmt.aliases is not None and _present(aliases := _get(row, fmt.aliases)):
+                more += _aliases(aliases, fmt.kind)
         except DatasetError as exc:
             raise DatasetError(f"{where}: {exc}") from None
         question = question.removeprefix(fmt.strip_prefix).removesuffix(fmt.strip_suffix).strip()
         ids = [v for v in (_get(row, c) for c in fmt.id) if _present(v)]
         meta = {c: v for c in fmt.meta if _present(v := _get(row, c))}
-        if fmt.aliases is not None:
-            aliases = _get(row, fmt.aliases)
-            more += [str(a) for a in aliases] if _present(aliases) else []
         if more or fmt.aliases is not None:
             meta["aliases"] = more
         if fmt.difficulty is not None and _present(level := _get(row, fmt.difficulty)):
             meta["difficulty"] = level
-        records.append(Record(str(ids[0]) if ids else f"{path.stem}-{i}", question, answer, meta))
+        rid = str(ids[0]) if ids else f"{stem}-{i}"
+        if rid in first_row:
+            raise DatasetError(
+                f"{where}: id {rid!r} repeats row {first_row[rid]}; ids must be unique"
+            )
+        first_row[rid] = i
+        records.append(Record(rid, question, answer, meta))
     return records
 
 
@@ -235,12 +309,36 @@ def resolve_format(format: str | Format | None, **overrides: Any) -> Format:
     return replace(PRESETS[format], **overrides)
 
 
+def _check_test_size(test_size: Any) -> None:
+    """0 (no test split), a fraction strictly between 0 and 1, or a whole count >= 1."""
+    if isinstance(test_size, bool) or not isinstance(test_size, int | float):
+        raise DatasetError(f"test_size must be a number, got {test_size!r}")
+    if test_size == 0:
+        return
+    if isinstance(test_size, float) and not 0 < test_size < 1:
+        raise DatasetError(
+            f"test_size must be 0, a fraction strictly between 0 and 1, or a whole count >= 1 "
+            f"(an int), got {test_size!r}"
+        )
+    if isinstance(test_size, int) and test_size < 1:
+        raise DatasetError(f"test_size must be 0 or a count >= 1, got {test_size!r}")
+
+
 def _split_by_prompt(
     records: list[Record], test_size: float, seed: int
 ) -> tuple[list[Record], list[Record]]:
+    """Train and test records, split by distinct prompt; DatasetError when a test split is
+    asked for (``test_size`` > 0) and train or test would be empty."""
+    _check_test_size(test_size)
     prompts = sorted({r.prompt for r in records})
     random.Random(seed).shuffle(prompts)
-    n_test = round(test_size * len(prompts)) if test_size < 1 else int(test_size)
+    n_test = round(test_size * len(prompts)) if isinstance(test_size, float) else test_size
+    if test_size and prompts and not 0 < n_test < len(prompts):
+        raise DatasetError(
+            f"test_size={test_size!r} of {len(prompts)} distinct prompts leaves "
+            f"{'no test' if n_test == 0 else 'no train'} prompt; give a test_size that "
+            "keeps both splits non-empty, test_size=0 for no test split, or test_path"
+        )
     test_prompts = set(prompts[:n_test])
     return (
         [r for r in records if r.prompt not in test_prompts],
@@ -252,8 +350,11 @@ class FileTask(GuardedTask):
     """A dataset from files, verified as math (math-verify) or QA (normalised match).
 
     Either ``path`` (one file, split by prompt into train and test with ``test_size``: a
-    fraction below 1 or a count) or ``train_path`` / ``test_path`` (one file per split;
-    prompts of the test file are dropped from train, with a warning). Fields come from
+    float strictly between 0 and 1 is a fraction of the distinct prompts, an int >= 1 a
+    count, 0 no test split; a split that leaves train or test empty is refused) or
+    ``train_path`` / ``test_path`` (one file per split; prompts of the test file are
+    dropped from train, with a warning). ``limit`` (>= 1) keeps the first rows of each
+    file. Record ids must be unique across both splits. Fields come from
     ``format`` (a preset name or a :class:`Format`), overridden by ``question``,
     ``answer``, ``id``, ``aliases`` and ``kind``.
 
@@ -303,18 +404,24 @@ class FileTask(GuardedTask):
         if path is not None and (train_path is not None or test_path is not None):
             raise DatasetError("give either path or train_path/test_path, not both")
         self._source = ", ".join(str(p) for p in (path, train_path, test_path) if p)
+        _check_limit(limit)
         if path is not None:
-            if test_size < 0:
-                raise DatasetError(f"test_size must be >= 0, got {test_size}")
+            _check_test_size(test_size)
             train, test = _split_by_prompt(load_records(path, self.format, limit), test_size, seed)
         elif train_path is not None or test_path is not None:
-            train = load_records(train_path, self.format, limit) if train_path else []
-            test = load_records(test_path, self.format, limit) if test_path else []
+            train = load_records(train_path, self.format, limit, "train") if train_path else []
+            test = load_records(test_path, self.format, limit, "test") if test_path else []
             test_prompts = {r.prompt for r in test}
             overlap = sum(r.prompt in test_prompts for r in train)
             if overlap:
                 _log.warning("%d train records share a prompt with the test file; dropped", overlap)
                 train = [r for r in train if r.prompt not in test_prompts]
+            test_ids = {r.id for r in test}
+            if shared := sorted({r.id for r in train if r.id in test_ids}):
+                raise DatasetError(
+                    f"{len(shared)} record id(s) appear in both the train file ({train_path}) "
+                    f"and the test file ({test_path}), e.g. {shared[0]!r}; ids must be unique"
+                )
         else:
             raise DatasetError("FileTask needs path=... or train_path=... / test_path=...")
         self._splits: dict[Split, list[Record]] = {"train": train, "test": test}

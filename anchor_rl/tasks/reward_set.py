@@ -4,8 +4,9 @@ A new reward does not need a new task: :class:`RewardedTask` wraps any task and 
 its ``reward`` by ``task_weight * task.reward + sum_i w_i * f_i``, where each ``f_i`` has
 TRL's signature ``f(prompts, completions, **columns) -> list[float | None]`` (a built-in
 name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS` or an importable ``module:function``).
-The columns are ``answer`` (the record's gold answer), ``prompt_id`` and the record's
-``meta`` fields. A ``None`` reward, a raising call and a timed-out one add nothing for that
+The columns are ``answer`` (the record's gold answer: a string, or, when the record has
+aliases in ``meta["aliases"]``, the list of the gold answer and its aliases), ``prompt_id``
+and the record's ``meta`` fields. A ``None`` reward, a raising call and a timed-out one add nothing for that
 completion (the failures are counted, :attr:`RewardedTask.verifiers`, and
 :meth:`RewardedTask.verifier_stats` adds them to the task's own).
 
@@ -96,7 +97,9 @@ class RewardedTask(Task):
 
     def reward(self, completion: str, record: Record) -> float:
         total = self.task_weight * self.task.reward(completion, record) if self.task_weight else 0.0
-        columns: dict[str, Any] = {"answer": [record.answer], "prompt_id": [record.id]}
+        aliases = record.meta.get("aliases") or []
+        gold: str | list[str] = [record.answer, *aliases] if aliases else record.answer
+        columns: dict[str, Any] = {"answer": [gold], "prompt_id": [record.id]}
         columns |= {key: [value] for key, value in record.meta.items() if key not in columns}
         for name, weight in zip(self.functions, self.weights, strict=True):
             values = self.verifiers[name].map([record.prompt], [completion], **columns)

@@ -9,10 +9,21 @@ by earlier steps stay pending and only the newest is added) before it scores log
 updates. The Ray workers sample them with the weights they hold, the ones before this
 update; the update's ``sync_weights`` reaches each worker after those rollouts (a worker
 runs its calls in order). A later step's ``collect`` makes the same call and gets the
-prefetched batch, sampled ``k`` updates earlier at most; any other call (a second round of
-dynamic sampling, a V0.5 top-up, an evaluation) is sampled at once with the current
-weights, and a prefetch the stream has moved past (dynamic sampling drew extra prompts) is
-discarded.
+prefetched batch, sampled ``k`` updates earlier at most. Any call with the arguments of a
+queued one gets its batch, whoever makes it: a second round of dynamic sampling draws the
+next ``prompts_per_step`` prompts of the stream, which are the next step's queued call when
+``k >= 2``, so rounds ``2..k`` of a step are served the queued (older-weights) batches and
+only later rounds are sampled at once; ``async/staleness`` counts them, and their ratio
+divides by the log-probs they were sampled with, as for any prefetched batch. With
+``k = 1`` no round after the first is queued. Other calls (a V0.5 top-up, an evaluation)
+are sampled at once with the current weights, and a prefetch the stream has moved past
+(dynamic sampling drew extra prompts) is discarded.
+
+A rollout worker that dies holding a prefetched call is replaced with the last synced
+weights (:mod:`anchor_rl.cluster.engine`): when an update's sync came between the sending
+and the death, the dead worker's shard is sampled again with those newer weights. Its rows
+carry those weights' log-probs, which the ratio divides by, so the update stays consistent;
+they are fresher than ``async/staleness`` (the largest over the batch's rows) says.
 
 A prefetched batch is stale, so the ratio's denominator is the behaviour log-probs the
 engine returned with the tokens (the log-probs of the weights that sampled them; at

@@ -18,11 +18,10 @@ import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -32,6 +31,7 @@ from pydantic import (
 from anchor_rl.errors import AnchorRLError, ConfigError
 from anchor_rl.trainer.critic_config import CriticConfig
 from anchor_rl.trainer.pvpo_config import PVPOConfig
+from anchor_rl.trainer.section import Section
 from anchor_rl.trainer.v05_config import V05Config
 
 Aggregation = Literal[
@@ -39,8 +39,7 @@ Aggregation = Literal[
 ]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+_Section = Section
 
 
 class RolloutConfig(_Section):
@@ -85,9 +84,9 @@ class RewardConfig(_Section):
     **columns) -> list[float | None] with columns answer, prompt_id and the record's meta:
     built-in names (qa_em, qa_f1, qa_cem, math, pvpo, format) or `module:function`. The
     task's verifier stays the accuracy metric (`correct`)."""
-    weights: list[float] | None = None
+    weights: list[Annotated[float, Field(allow_inf_nan=False)]] | None = None
     """One weight per reward function (TRL's reward_weights); None: 1 each."""
-    task_weight: float = 1.0
+    task_weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of the task's own reward in the training reward; 0 replaces it by the functions."""
 
     overlong_cache: float = Field(0.0, ge=0, lt=1)
@@ -232,8 +231,11 @@ class OptimConfig(_Section):
     """Linear warm-up from lr/warmup_steps to lr over this many optimizer steps."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
+    """AdamW betas, each in [0, 1)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
     epochs: int = Field(1, gt=0)
@@ -399,7 +401,8 @@ class ClusterConfig(_Section):
     """k > 0: the rollout workers sample the next k steps' rollouts with the weights they hold
     while this step's update runs (up to k steps off-policy; the ratio's denominator is the
     behaviour log-probs the engine returns). 0: every step samples with the latest weights.
-    Needs `rollout_workers` > 0 and `rollout.top_p` = 1."""
+    Needs Ray rollout workers (`rollout_workers` > 0, or `rollout.engine=ray`) and
+    `rollout.top_p` = 1."""
     async_correction: Literal["none", "tis"] = "none"
     """With `async_steps`: `tis` takes the ratio's denominator from the current policy and
     weights each token's advantage by min(pi_current / pi_behaviour, `tis_cap`) (token-level
@@ -417,7 +420,8 @@ class TrainConfig(_Section):
     of the config is checked: what they register (estimators, policy losses, engines,
     components) can then be named. Resumed runs import them again."""
     preset: str | None = None
-    """Name of the preset the run started from (informational)."""
+    """Name of the preset the run started from (informational; not an override: start from a
+    preset with `--preset NAME`)."""
     task: str = "arithmetic"
     """Task name for anchor_rl.tasks.get_task."""
     task_args: dict[str, Any] = Field(default_factory=dict)
@@ -734,11 +738,17 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
 
+    if cfg.cluster.rollout_workers and {"workers", "address"} & set(cfg.rollout.engine_args):
+        errors.append(
+            "rollout.engine_args.workers / .address with cluster.rollout_workers: the cluster "
+            "section sets them (cluster.rollout_workers, cluster.address); set them there, or "
+            "name the engine directly (rollout.engine=ray) without cluster.rollout_workers"
+        )
     if cfg.cluster.async_steps:
-        if not cfg.cluster.rollout_workers:
+        if cfg.engine[0] != "ray":
             errors.append(
-                "cluster.async_steps needs cluster.rollout_workers > 0: rollouts sampled in this "
-                "process cannot overlap its update"
+                "cluster.async_steps needs cluster.rollout_workers > 0 (or rollout.engine=ray): "
+                "rollouts sampled in this process cannot overlap its update"
             )
         if cfg.rollout.top_p < 1:
             errors.append(
@@ -876,6 +886,11 @@ def apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any]) -> dict
     known = set(field_paths())
     out = _deep_copy(table)
     for key, value in overrides.items():
+        if key == "preset":  # the field only records the preset a run started from
+            raise ConfigError(
+                f"preset={value} as an override would only relabel the run: start from a "
+                f"preset with --preset {value}"
+            )
         if key not in known and not key.startswith(
             ("task_args.", "component_args.", "rollout.engine_args.")
         ):

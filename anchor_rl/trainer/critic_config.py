@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from anchor_rl.trainer.section import Section
 
 Lambda = Annotated[float, Field(ge=0, le=1)]
 LAMBDA_MAX = 1.0 - 1e-6
@@ -23,10 +25,8 @@ LAMBDA_MAX = 1.0 - 1e-6
 out here: this module imports no torch)."""
 
 
-class CriticConfig(BaseModel):
+class CriticConfig(Section):
     """The critic of GAE (`advantage.estimator = "gae"`): model, optimiser, lambdas, value pretraining."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     mode: Literal["separate", "shared"] = "separate"
     """`separate`: a copy of the initial policy's backbone with a value head (PPO, VAPO).

@@ -12,6 +12,8 @@ critic (PPO, VAPO) every rank also holds a critic replica and runs its share of 
 update the same way (``critic_update``; ``fit_values`` with ``dp``).
 Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of
 learners. A rank that dies ends the run with a clear error; its last checkpoint resumes it.
+A divergence (``NonFiniteError``) is raised by rank 0 alone, with the run's message: the
+other ranks meet it at the same check, skip the step and wait for rank 0's stop.
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
 shard of the policy (``distributed.shard_model``) with its own shard of the AdamW state,
@@ -28,6 +30,7 @@ update and its AdamW state before each checkpoint.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import socket
 import sys
@@ -40,13 +43,15 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.errors import AnchorRLError
+from anchor_rl.errors import AnchorRLError, NonFiniteError
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
 from anchor_rl.trainer.distributed import DataParallel, shard_model
 from anchor_rl.trainer.update import make_optimizer, ppo_update
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=30)
 """How long a rank waits in a collective before giving up (the others are rolling out)."""
@@ -204,10 +209,15 @@ class LearnerGroup:
         )
 
     def close(self) -> None:
-        """Tell the ranks to stop, wait for them, and leave the process group."""
+        """Tell the ranks to stop, wait for them, and leave the process group. A rank that
+        died already (the stop cannot reach it) is logged, not raised: close runs as the run
+        ends, often over the error that ended it (a rank's death, a divergence), which must
+        reach the user rather than the closed connection."""
         try:
             if all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([("stop", None)], src=0)
+        except RuntimeError as exc:  # gloo: a peer's connection closed, or a timeout
+            logger.warning("a learner rank did not get the stop message (%s)", exc)
         finally:
             for process in self.processes:
                 process.join(timeout=30)
@@ -266,24 +276,32 @@ def _learner_main(
         kind, payload = message[0]
         if kind == "stop":
             break
-        if kind == "critic":
-            assert critic is not None
-            _fit_critic(*critic, payload, cfg, dp)
+        try:
+            if kind == "critic":
+                assert critic is not None
+                _fit_critic(*critic, payload, cfg, dp)
+                if sharded:  # rank 0 gathers the new weights
+                    _full_weights(critic[0])
+                continue
+            if kind == "consolidate":  # rank 0 gathers the optimiser state
+                _full_optimizer_state(model, optimizer)
+                if critic is not None:
+                    _full_optimizer_state(*critic)
+                continue
+            ppo_update(
+                model, optimizer, scheduler, payload["batch"], payload["mask"],
+                payload["old_logp"], payload["ref_logp"], payload["adv"], payload["correct"],
+                cfg, None, schedule=payload["schedule"], dp=dp,
+            )  # fmt: skip
             if sharded:  # rank 0 gathers the new weights
-                _full_weights(critic[0])
+                _full_weights(model)
+        except NonFiniteError:
+            # A divergence shows on every rank at the same check (the gradients are
+            # all-reduced, the policy update's figures summed over the ranks), so rank 0
+            # raises it too and ends the run with its message. This rank neither steps nor dies: dying would
+            # close its connections under rank 0, whose stop message would then fail with
+            # gloo's "Connection closed by peer" over the real error. It waits for the stop.
             continue
-        if kind == "consolidate":  # rank 0 gathers the optimiser state
-            _full_optimizer_state(model, optimizer)
-            if critic is not None:
-                _full_optimizer_state(*critic)
-            continue
-        ppo_update(
-            model, optimizer, scheduler, payload["batch"], payload["mask"], payload["old_logp"],
-            payload["ref_logp"], payload["adv"], payload["correct"], cfg, None,
-            schedule=payload["schedule"], dp=dp,
-        )  # fmt: skip
-        if sharded:  # rank 0 gathers the new weights
-            _full_weights(model)
     dist.destroy_process_group()
     # Leave without tearing this rank's objects down. A DDP reducer still holds the process
     # group; freeing it on return destroys the group while gloo's worker thread is still

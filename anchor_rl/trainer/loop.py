@@ -36,7 +36,7 @@ from anchor_rl.trainer.component import Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.logging import EVALS_FILE, JsonlSink, ProgressBar, open_sinks
 from anchor_rl.trainer.run import Run, counters, evaluate_policy, write_summary
-from anchor_rl.trainer.timing import Timer
+from anchor_rl.trainer.timing import STEP_STAGES, Timer
 from anchor_rl.trainer.update import (
     behaviour_logprobs,
     loss_mask,
@@ -116,7 +116,8 @@ def train_step(run: Run) -> dict[str, float]:
                 )  # fmt: skip
                 if single:
                     logp, entropy = seen["logp"], seen["entropy"]
-            run.engine.sync_weights(run.policy.state_dict())  # the next rollouts' weights
+        with timer("sync"):  # the next rollouts' weights (for Ray workers, via the object store)
+            run.engine.sync_weights(run.policy.state_dict())
         assert logp is not None and entropy is not None
         metrics["update/single_pass"] = float(single)
         metrics |= advantage_metrics(adv, mask)
@@ -124,7 +125,7 @@ def train_step(run: Run) -> dict[str, float]:
         if ref_logp is not None:
             metrics["kl/ref"] = token_mean(kl(logp, ref_logp, cfg.kl.kind), batch.loss_mask)
     metrics |= counters(run)
-    metrics |= {f"time/{name}": timer.seconds[name] for name in ("generate", "score", "update")}
+    metrics |= {f"time/{name}": timer.seconds[name] for name in STEP_STAGES}
     return metrics
 
 

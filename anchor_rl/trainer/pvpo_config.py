@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from anchor_rl.trainer.section import Section
 
 TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
 
 
-class PVPOConfig(BaseModel):
+class PVPOConfig(Section):
     """PVPO: static anchors from reference rollouts, group sampling, teacher trajectories, refresh."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     m: int = Field(8, gt=0)
     """M: reference rollouts per training prompt, sampled once before training with the

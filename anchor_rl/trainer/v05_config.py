@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from anchor_rl.trainer.section import Section
 
 PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
 
 
-class V05Config(BaseModel):
+class V05Config(Section):
     """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model, the rollout
     budget and the baseline-MSE probe; `rollout.n` is k_init."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     prior: PriorName = "anchor+history"
     """The prior V: `anchor` (PVPO's static anchor: the reference's mean reward over `pvpo.m`

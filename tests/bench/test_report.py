@@ -208,7 +208,10 @@ def test_report_files_and_offline_html(bench, tmp_path) -> None:
     assert "not measured" in md and "| `v05+k4` vs `grpo+k16` |" in md
     row = "| dapo | synthetic | 2 | 0.200 ± 0.000 | 0.700 ± 1.271 | 0.300 ± 0.000 | 0.800 ± 1.271 |"
     assert f"{row} 256 ± 0 |" in md
-    assert "| tiny | 1 process | 1.1M | 100 | 400 | 2.00 | 50.0% | 25.0% | 12.5% | 12.5% |" in md
+    assert (
+        "| tiny | 1 process | 1.1M | 100 | 400 | 2.00 | 50.0% | 25.0% | 12.5% | 0.0% | 12.5% |"
+        in md
+    )
     assert "| seconds per step (mean over steps) | 2.00 | 3.00 | 1.50× |" in md
     # Offline: every image is a data URI, nothing is fetched from anywhere.
     sources = re.findall(r'src="([^"]*)"', page)

@@ -40,6 +40,11 @@ def test_stage_figures_by_hand_leave_out_the_warmup_step() -> None:
     assert f["update_tok_s"] == 200.0  # 200 tokens / 1 s updating
     assert (f["frac_generate"], f["frac_score"], f["frac_update"]) == (0.5, 0.125, 0.25)
     assert f["frac_other"] == pytest.approx(0.125)
+    assert f["frac_sync"] == 0.0  # records from before the weight push had its own timer
+    synced = [{**r, "time/sync": 0.25} for r in records]  # the weight push: the rest of a step
+    g = stage_figures(synced)
+    assert g["frac_sync"] == 0.125 and g["frac_other"] == pytest.approx(0.0)
+    assert g["update_tok_s"] == f["update_tok_s"]  # the push is not the update's time
     single = stage_figures(records[:2])  # one step: nothing left out
     assert single["steps"] == 1.0 and single["rollout_tok_s"] == pytest.approx(100 / 9)
     with pytest.raises(ValueError, match="no training step"):
@@ -66,8 +71,8 @@ def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
     f = row["figures"]
     assert row["size"] == "tiny" and f["steps"] == 1.0
     assert f["rollout_tok_s"] > 0 and f["update_tok_s"] > 0
-    shares = [f[f"frac_{k}"] for k in ("generate", "score", "update", "other")]
-    assert sum(shares) == pytest.approx(1.0) and min(shares[:3]) >= 0
+    shares = [f[f"frac_{k}"] for k in ("generate", "score", "update", "sync", "other")]
+    assert sum(shares) == pytest.approx(1.0) and min(shares[:4]) >= 0
     assert payload["host"]["device"] == "cpu" and payload["settings"]["warmup_steps_excluded"] == 0
     assert "| tiny |" in (out / "throughput.md").read_text()
     assert (out / "stage_time.png").stat().st_size > 0

@@ -3,6 +3,7 @@ as in one process, and rollouts that survive a worker killed with SIGKILL."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -21,7 +22,7 @@ from helpers import metrics_but_timings
 
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.cluster import RayEngine
+from anchor_rl.cluster import RayEngine, shard_by_group
 from anchor_rl.cluster.worker import RolloutWorker
 from anchor_rl.rollout.engine import group_requests, make_engine
 from anchor_rl.rollout.types import SamplingParams
@@ -263,6 +264,59 @@ def test_a_worker_killed_during_a_call_is_restarted_and_its_shard_resampled(
     assert engine.restarts == restarts + 1
     assert f"(pid {stalled}) died during rollout" in caplog.text
     assert stalled not in engine.pids()
+
+
+def test_a_death_met_by_a_sync_first_restarts_the_worker_once_for_its_pending_rollout(
+    engine, threads, by_value, tokenizer, tiny_model, tmp_path, caplog
+) -> None:
+    """An asynchronous step: a rollout submitted, then its worker killed mid-shard, then the
+    update's sync_weights, which meets the death first and restarts the worker. Collecting
+    the rollout re-sends the shard to that replacement: one death, one restart, the healthy
+    replacement kept (it used to be killed and replaced again). The re-sent shard is sampled
+    with the weights the replacement holds, the newer ones; the other shard with the old."""
+    marker = tmp_path / "stalled.pid"
+    marker.write_text("")  # present: the tool never stalls
+    tools = {"search": StallingSearch(str(marker))}
+    old = make_engine("hf", tiny_model, tokenizer).rollout(REQUESTS, PARAMS, tools)
+    newer = copy.deepcopy(tiny_model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    new = make_engine("hf", newer, tokenizer).rollout(REQUESTS, PARAMS, tools)
+    marker.unlink()
+    pids, restarts = engine.pids(), engine.restarts
+    try:
+        with caplog.at_level(logging.WARNING, logger="anchor_rl.cluster.engine"):
+            pending = engine.submit(REQUESTS, PARAMS, tools)
+            deadline = time.monotonic() + 60
+            while not (marker.exists() and marker.read_text()):
+                assert time.monotonic() < deadline, "no worker called the tool"
+                time.sleep(0.05)
+            stalled = int(marker.read_text())
+            w = pids.index(stalled)
+            os.kill(stalled, signal.SIGKILL)
+            engine.sync_weights(newer.state_dict())  # meets the death: restarts worker w
+            assert engine.restarts == restarts + 1
+            replacement = engine.pids()
+            batch = pending.result()
+        assert engine.restarts == restarts + 1  # not a second time
+        assert engine.pids() == replacement and replacement[w] != stalled
+        shards = shard_by_group([r.group for r in REQUESTS], 2)
+        assert caplog.text.count("restarted it as pid") == 1
+        assert f"re-sent its {len(shards[w])} requests to the new worker" in caplog.text
+        assert "with the weights of 1 later sync(s)" in caplog.text
+        # each row is the sample, log-probs included, of the weights that sampled it
+        for rows, ref in ((shards[w], new), (shards[1 - w], old)):
+            for i in rows:
+                n = int(ref.attention_mask[i].sum())
+                assert batch.texts[i] == ref.texts[i]
+                torch.testing.assert_close(
+                    batch.logprobs[i, :n], ref.logprobs[i, :n], rtol=0, atol=1e-5
+                )
+        assert [batch.texts[i] for i in shards[w]] != [old.texts[i] for i in shards[w]]
+    finally:
+        engine.sync_weights(tiny_model.state_dict())  # the module's engine, as it was
 
 
 DRIVER = Path(__file__).with_name("presample_driver.py")

@@ -67,11 +67,11 @@ def grpo_args(tmp_path: Path, **changes: Any) -> trl.GRPOConfig:
     return trl.GRPOConfig(**(kwargs | changes))
 
 
-def fill_store(path: Path, model: Any, tokenizer: Any, task: ParityTask) -> Path:
-    """Store CLASSES under the key `anchor-rl presample --temperature 1 --max-new-tokens 8`
-    gives this model on the task: the trainer must find them and sample nothing."""
+def fill_store(path: Path, model: Any, tokenizer: Any, task: ParityTask, seed: int = 0) -> Path:
+    """Store CLASSES under the key `anchor-rl presample --temperature 1 --max-new-tokens 8
+    --seed SEED` gives this model on the task: the trainer must find them and sample nothing."""
     params = task_params(SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW), task)
-    key = presample_key(model, tokenizer, params, task_identity("parity", task, {}))
+    key = presample_key(model, tokenizer, params, task_identity("parity", task, {}), seed=seed)
     rewards = torch.tensor(list(CLASSES.values()), dtype=torch.float64)
     with AnchorStore(path) as store:
         store.add_rollouts(key, list(CLASSES), rewards, rewards.bool())
@@ -373,6 +373,103 @@ def test_settings_that_cannot_work_are_refused_naming_the_field(
     tools.tools = {"search": object()}
     with pytest.raises(ConfigError, match="uses tools"):
         PVPOGRPOTrainer(model, args=args, **(common | {"task": tools}))
+
+
+def test_reward_weights_other_than_1_are_refused(tmp_path, tokenizer, task, model) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    common = {"processing_class": tokenizer, "task": task, "progress": False}
+    with pytest.raises(ConfigError, match=r"reward_weights=\[2\.0\].*with_rewards"):
+        PVPOGRPOTrainer(
+            model, args=grpo_args(tmp_path, reward_weights=[2.0]),
+            pvpo={"m": M, "store": str(store)}, **common,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"reward_weights=\[0\.5\].*with_rewards"):
+        V05GRPOTrainer(
+            model, args=grpo_args(tmp_path, reward_weights=[0.5]), v05={"prior": "history"},
+            **common,
+        )  # fmt: skip
+    trainer = V05GRPOTrainer(
+        model, args=grpo_args(tmp_path, reward_weights=[1.0]), v05={"prior": "history"}, **common
+    )
+    assert trainer.reward_weights.tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_new_tokens": 2},
+        {"min_new_tokens": 6},
+        {"no_repeat_ngram_size": 1},
+        {"epsilon_cutoff": 0.01},
+        {"eta_cutoff": 0.01},
+        {"suppress_tokens": [5]},
+        {"begin_suppress_tokens": [5]},
+        {"renormalize_logits": True},
+        {"forced_eos_token_id": 2},
+        {"exponential_decay_length_penalty": (2, 1.5)},
+        {"top_k": 5},
+        {"use_cache": True, "eos_token_id": 2},
+    ],
+)
+def test_generation_kwargs_that_may_change_what_is_sampled_are_refused(
+    tmp_path, tokenizer, task, model, kwargs
+) -> None:
+    args = grpo_args(tmp_path, generation_kwargs=kwargs)
+    with pytest.raises(ConfigError, match=r"generation_kwargs \[.*accepts only"):
+        V05GRPOTrainer(
+            model, args=args, processing_class=tokenizer, task=task, v05={"prior": "history"},
+            progress=False,
+        )  # fmt: skip
+
+
+def test_generation_kwargs_that_change_nothing_sampled_are_accepted(
+    tmp_path, tokenizer, task, model
+) -> None:
+    common = {"processing_class": tokenizer, "task": task, "v05": {"prior": "history"}}
+    args = grpo_args(tmp_path, generation_kwargs={"use_cache": True})
+    trainer = V05GRPOTrainer(model, args=args, progress=False, **common)
+    assert trainer.generation_config.use_cache is True
+    assert trainer.generation_config.max_new_tokens == trainer.sampling.max_new_tokens == MAX_NEW
+    # stop ids: the task's and eos are where the anchors' rollouts stop; others are not
+    stops = sorted(trainer._stop_ids_allowed())
+    args = grpo_args(tmp_path, generation_kwargs={"stop_token_ids": stops})
+    V05GRPOTrainer(model, args=args, progress=False, **common)
+    other = next(i for i in range(len(tokenizer)) if i not in stops)
+    args = grpo_args(tmp_path, generation_kwargs={"stop_token_ids": [*stops, other]})
+    with pytest.raises(ConfigError, match=rf"stop_token_ids \[{other}\]"):
+        V05GRPOTrainer(model, args=args, progress=False, **common)
+
+
+def test_pvpo_presample_seed_keys_the_anchors_and_pvpo_prompts_is_refused(
+    tmp_path, tokenizer, task, model
+) -> None:
+    # anchors of `anchor-rl train --preset pvpo seed=7` (or `anchor-rl presample --seed 7`)
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task, seed=7)
+    common = {"args": grpo_args(tmp_path), "processing_class": tokenizer, "task": task}
+    pvpo = {"m": M, "store": str(store), "presample_seed": 7}
+    trainer = PVPOGRPOTrainer(model, pvpo=pvpo, progress=False, **common)
+    assert trainer.anchor_set.key.sampling["seed"] == 7
+    assert trainer.rollout_counts()["presample_now"] == 0  # found, not sampled again
+    assert {pid: stat.mean for pid, stat in trainer.anchors.items()} == ANCHOR
+    v05 = V05GRPOTrainer(
+        model, v05={"prior": "anchor"}, pvpo=pvpo, progress=False, **common
+    )  # fmt: skip
+    assert v05.anchor_set.key.sampling["seed"] == 7 and v05.anchor_set.result.rollouts == 0
+    # first-use presampling goes under the same seed
+    late = PVPOGRPOTrainer(
+        model, pvpo=pvpo | {"store": str(tmp_path / "late.db")}, group_sampling=False,
+        progress=False, **common,
+    )  # fmt: skip
+    late._before_batch(["train-0"])
+    assert late.anchor_set.key.sampling["seed"] == 7
+    with AnchorStore(tmp_path / "late.db") as s:
+        assert set(s.get_anchors(late.anchor_set.key)) == {"train-0"}
+    with pytest.raises(ConfigError, match=r"pvpo\.prompts=2: .*every prompt"):
+        PVPOGRPOTrainer(model, pvpo=pvpo | {"prompts": 2}, progress=False, **common)
+    with pytest.raises(ConfigError, match=r"pvpo\.prompts"):
+        V05GRPOTrainer(
+            model, v05={"prior": "anchor"}, pvpo=pvpo | {"prompts": 2}, progress=False, **common
+        )  # fmt: skip
 
 
 def test_what_the_plugin_cannot_do_raises_not_implemented(tmp_path, tokenizer, task, model) -> None:

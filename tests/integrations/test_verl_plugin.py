@@ -4,6 +4,8 @@ set-up of the method state (presampling and group sampling through anchor-rl's c
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -14,14 +16,21 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 from omegaconf import OmegaConf
+from PIL import Image
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 
 from anchor_rl.algos.losses import policy_loss
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.integrations.verl import TRAINER
-from anchor_rl.integrations.verl.config import MethodConfig, check_verl_config
-from anchor_rl.integrations.verl.data import prompt_key
+from anchor_rl.integrations.verl.config import (
+    MethodConfig,
+    PVPOSection,
+    V05Section,
+    VAPOSection,
+    check_verl_config,
+)
+from anchor_rl.integrations.verl.data import dataset_records, prompt_key
 from anchor_rl.integrations.verl.estimators import ppo_policy_loss
 from anchor_rl.integrations.verl.trainer import prepare_method
 
@@ -200,6 +209,77 @@ def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
     with pytest.raises(ValueError, match="anchor_rl. config node"):
         MethodConfig.from_verl({"trainer": {"v1": {"trainer_mode": TRAINER}}})
     check_verl_config(_verl_cfg("vapo"), MethodConfig.from_verl(_verl_cfg("vapo")))  # fine
+
+
+@pytest.mark.parametrize(
+    ("method", "node", "named"),
+    [
+        (
+            "v05",
+            {"pvpo": {"teacher": "field:extra_info.answer", "group_sampling": False}},
+            ["anchor_rl.pvpo.group_sampling", "anchor_rl.pvpo.teacher"],
+        ),
+        ("v05", {"pvpo": {"keep_unsolved": True}}, ["anchor_rl.pvpo.keep_unsolved"]),
+        ("v05", {"v05": {"prior": "history"}, "pvpo": {"m": 4}}, ["anchor_rl.pvpo.m"]),
+        ("v05", {"vapo": {"nll_coef": 0.5}}, ["anchor_rl.vapo.nll_coef"]),
+        (
+            "vapo",
+            {"pvpo": {"m": 64, "anchor_key": "deadbeef"}, "v05": {"budget": "fixed"}},
+            ["anchor_rl.pvpo.m", "anchor_rl.pvpo.anchor_key", "anchor_rl.v05.budget"],
+        ),
+        (
+            "pvpo",
+            {"v05": {"prior": "history", "k_max": 2}, "vapo": {"nll_coef": 0.5}},
+            ["anchor_rl.v05.prior", "anchor_rl.v05.k_max", "anchor_rl.vapo.nll_coef"],
+        ),
+    ],
+)
+def test_knobs_of_sections_the_method_does_not_read_are_refused(method, node, named) -> None:
+    cfg = _verl_cfg(method, anchor_rl=node, critic={"enable": method == "vapo"})
+    with pytest.raises(ValueError, match=f"anchor_rl.method={method}, which does not read") as err:
+        check_verl_config(cfg, MethodConfig.from_verl(cfg))
+    message = str(err.value)
+    assert all(name in message for name in named)
+
+
+@pytest.mark.parametrize("method", ["pvpo", "v05", "vapo"])
+def test_every_knob_at_its_default_passes_for_every_method(method) -> None:
+    every = {
+        "pvpo": PVPOSection().model_dump(),
+        "v05": V05Section().model_dump(),
+        "vapo": VAPOSection().model_dump(),
+    }  # as the example config lists them
+    cfg = _verl_cfg(method, anchor_rl=every, critic={"enable": method == "vapo"})
+    check_verl_config(cfg, MethodConfig.from_verl(cfg))
+    # what a method reads may be set
+    reads = {
+        "pvpo": {"pvpo": {"m": 4, "teacher": "field:x", "keep_unsolved": True}},
+        "v05": {"pvpo": {"m": 4, "anchor_key": "abc"}, "v05": {"budget": "fixed"}},
+        "vapo": {"vapo": {"nll_coef": 0.0}},
+    }[method]
+    cfg = _verl_cfg(method, anchor_rl=reads, critic={"enable": method == "vapo"})
+    check_verl_config(cfg, MethodConfig.from_verl(cfg))
+
+
+def _image_prompt(png: bytes) -> list[dict]:
+    """A multimodal row's raw_prompt as verl's dataset builds it (a fresh PIL image per load)."""
+    image = {"bytes": png, "image": Image.open(io.BytesIO(png))}
+    text = {"type": "text", "text": "What colour?"}
+    return [{"role": "user", "content": [{"type": "image", **image}, text]}]
+
+
+def test_prompts_with_an_image_are_refused_and_text_parts_are_keyed_stably() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(buf, format="PNG")
+    with pytest.raises(ValueError, match=r"content\[0\] is a 'image' part: .*text-only"):
+        prompt_key(_image_prompt(buf.getvalue()))
+    with pytest.raises(ValueError, match="text-only"):
+        dataset_records([{"raw_prompt": _image_prompt(buf.getvalue())}])
+    with pytest.raises(ValueError, match=r"raw_prompt\[0\]\.image holds a PngImageFile"):
+        prompt_key([{"role": "user", "content": "hi", "image": Image.open(buf)}])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What colour?"}]}]
+    assert prompt_key(parts) == prompt_key(copy.deepcopy(parts))
+    assert prompt_key("a plain prompt") == prompt_key("a plain prompt")
 
 
 # --- set-up: presampling and group sampling -----------------------------------------------

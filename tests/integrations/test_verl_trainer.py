@@ -5,6 +5,7 @@ TransferQueue. Expected advantages come from anchor-rl's own functions on the sa
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from anchor_rl.algos.advantages import masked_whiten, pvpo, v05
 from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.integrations.verl.config import MethodConfig
 from anchor_rl.integrations.verl.data import prompt_key
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
 from anchor_rl.integrations.verl.trainer import (
@@ -63,14 +65,18 @@ def anchors(tmp_path_factory) -> tuple[str, str]:
 
 def trainer_for(method: str, anchors: tuple[str, str], *overrides: str) -> AnchorRLTrainer:
     store, digest = anchors
-    cfg = compose_config(
-        method,
-        f"anchor_rl.store={store}",
-        f"anchor_rl.pvpo.anchor_key={digest}",
-        "anchor_rl.pvpo.group_sampling=false",
-        "anchor_rl.pvpo.teacher=null",
-        *overrides,
-    )
+    # only knobs the method reads (others are refused): PVPO without group sampling, V0.5's
+    # anchor prior from the stored anchors, VAPO no anchors at all
+    reads = {
+        "pvpo": [
+            f"anchor_rl.pvpo.anchor_key={digest}",
+            "anchor_rl.pvpo.group_sampling=false",
+            "anchor_rl.pvpo.teacher=null",
+        ],
+        "v05": [f"anchor_rl.pvpo.anchor_key={digest}"],
+        "vapo": [],
+    }[method]
+    cfg = compose_config(method, f"anchor_rl.store={store}", *reads, *overrides)
     trainer = AnchorRLTrainer(cfg)
     rows = [{"raw_prompt": p, "reward_model": {"ground_truth": "x"}} for p in PROMPTS]
     trainer.state = prepare_method(trainer.method_cfg, rows).state
@@ -169,6 +175,29 @@ def test_the_method_group_switches_the_registered_trainer(
     assert trainer.method_cfg.method == method
     assert trainer.config.algorithm.adv_estimator == estimator and trainer.use_critic is critic
     assert trainer.trainer_mode == "sync"  # verl's sync replay buffer and semantics
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "actor_rollout_ref.rollout.do_sample=false",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "+data.apply_chat_template_kwargs.enable_thinking=false",
+        "actor_rollout_ref.rollout.temperature=0.7",
+    ],
+)
+def test_the_presample_key_changes_with_every_setting_the_reference_samples_under(
+    change, tokenizer
+) -> None:
+    def digest(*overrides: str) -> str:
+        cfg = compose_config("pvpo", "anchor_rl.pvpo.reference=ref-A", *overrides)
+        fake = types.SimpleNamespace(
+            method_cfg=MethodConfig.from_verl(cfg), config=cfg, tokenizer=tokenizer
+        )
+        return AnchorRLTrainer.presample_key(fake).digest
+
+    assert digest() == digest()
+    assert digest(change) != digest()
 
 
 # --- the advantage step on a DataProto ------------------------------------------------------

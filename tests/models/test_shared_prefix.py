@@ -174,6 +174,34 @@ def test_bf16_attention_on_the_cpu_runs_in_float32():
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in leaves)
 
 
+def test_grouped_heads_expanded_for_the_masked_cuda_kernels_give_the_same_attention(monkeypatch):
+    """Grouped-query attention with a mask: on CUDA the key/value heads are repeated before
+    the call (PyTorch's fused kernels take a mask or grouped heads, not both), elsewhere
+    ``enable_gqa`` is passed; the two compute the same function, values and gradients."""
+    from anchor_rl.models.shared_prefix import _attend, expand_kv_heads
+
+    assert expand_kv_heads("cuda") and not expand_kv_heads("cpu")
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 8, 5, 4, generator=gen, requires_grad=True)  # 8 query heads
+    k, v = (torch.randn(3, 2, 5, 4, generator=gen, requires_grad=True) for _ in range(2))
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(3, 1, 5, 5)
+    outs, grads = [], []
+    for expand in (False, True):
+        monkeypatch.setattr(shared_prefix, "expand_kv_heads", lambda device, e=expand: e)
+        out = _attend(q, k, v, allowed, 0.5)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    assert outs[0].shape == (3, 5, 8 * 4)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    for expanded, grouped in zip(*grads, strict=True):
+        torch.testing.assert_close(expanded, grouped, rtol=1e-5, atol=1e-6)
+    # the pairing of heads is the one enable_gqa uses: query head h reads key head h // 4
+    moved = k.detach().clone()
+    moved[:, 1] += 1.0  # changes what query heads 4..7 attend to, not heads 0..3
+    changed = (_attend(q, moved, v, allowed, 0.5) - outs[1]).abs().view(3, 5, 8, 4)
+    assert changed[:, :, :4].max() == 0 and changed[:, :, 4:].max() > 0
+
+
 def test_cuda_attention_leaves_the_cudnn_backend_out(monkeypatch):
     """On CUDA the layout's attention runs with cuDNN's SDPA backend disabled (it plans every
     new shape) and the others enabled, restored afterwards; ``SDPA_CUDNN`` keeps PyTorch's

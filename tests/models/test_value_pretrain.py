@@ -121,7 +121,10 @@ def test_pretraining_drives_explained_variance_up():
         return float((values[rows] * later[rows]).sum() / later[rows].sum())
 
     assert mean_later_value(good) > 0.7 and mean_later_value(bad) < 0.3
-    assert abs(float(values[:, 0].mean()) - 0.5) < 0.2  # V(s_0) cannot tell: about P(GOOD)
+    # V(s_0) has seen only the prompt, the same for every row: it cannot tell and stays
+    # between the two rewards, near P(GOOD) = 0.5 up to Adam tracking the last mini-batches
+    # of 8 (their share of GOOD has a std of 0.18; 0.24 was seen on one CPU, within 0.3-0.7 on another)
+    assert 0.15 < float(values[:, 0].mean()) < 0.85
 
 
 def test_ev_threshold_stops_early():

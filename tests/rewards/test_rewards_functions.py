@@ -34,6 +34,13 @@ def test_math_reward():
     assert got == [1.0, 0.0, 0.0]
 
 
+def test_numeric_gold_answers_are_read_as_strings():
+    """A numeric answer column (42, not "42") raised TypeError: 'int' is not iterable."""
+    completions = ["<answer>42</answer>", "<answer>0.5</answer>", "<answer>7</answer>"]
+    assert qa_em_reward(["q"] * 3, completions, answer=[42, 0.5, [6, 7]]) == [1.0, 1.0, 1.0]
+    assert math_reward(["q"] * 3, completions, answer=[42, 0.5, 8]) == [1.0, 1.0, 0.0]
+
+
 def test_pvpo_and_format_rewards():
     completions = ["<answer>it is paris</answer>", "<answer>London</answer>", "Paris"]
     assert pvpo_reward(["q"] * 3, completions, answer=["Paris"] * 3) == [0.5, 0.1, 0.0]

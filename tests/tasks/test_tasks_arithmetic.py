@@ -104,6 +104,15 @@ def test_reward(completion, reward):
         (" -3 ", -3),
         ("+4", 4),
         ("1,000", 1000),
+        ("-12,345,678", -12345678),
+        ("4,3", None),  # commas only as thousands separators: this was 43
+        ("1,2345", None),
+        ("12,34,567", None),
+        ("0,123", None),  # a decimal comma, not 123
+        (",29", None),
+        ("29,", None),
+        ("1,,000", None),
+        ("1000,000", None),
         ("2.0", None),
         ("", None),
         (None, None),

@@ -251,3 +251,186 @@ def test_read_rows_errors(tmp_path):
     path = write(tmp_path / "g.jsonl", [{"question": "q", "answer": "no marker"}])
     with pytest.raises(ValueError, match="g.jsonl row 0: answer has no '####' marker"):
         FileTask(path, format="gsm8k")
+
+
+def test_a_string_alias_is_one_alias(tmp_path):
+    """A plain-string aliases column was read character by character: "e" matched "Paree"."""
+    rows = [
+        {"question": "q0", "answer": "Paris", "alias": "Paree"},
+        {"question": "q1", "answer": "Paris", "alias": ["Paree", "Lutetia"]},
+        {"question": "q2", "answer": "Paris", "alias": None},
+    ]
+    path = write(tmp_path / "a.jsonl", rows)
+    task = FileTask(path, question="question", answer="answer", aliases="alias", test_size=0)
+    first, second, third = task.records("train")
+    assert first.meta["aliases"] == ["Paree"]
+    assert second.meta["aliases"] == ["Paree", "Lutetia"]
+    assert third.meta["aliases"] == []
+    assert task.reward("<answer>e</answer>", first) == 0.0 and not task.correct("e", first)
+    assert task.reward("<answer>paree</answer>", first) == 1.0
+    bad = write(tmp_path / "b.jsonl", [rows[0], {"question": "q", "answer": "x", "alias": 3}])
+    with pytest.raises(ValueError, match="b.jsonl row 1: aliases must be a list .* got int"):
+        FileTask(bad, question="question", answer="answer", aliases="alias", test_size=0)
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind", "match"),
+    [
+        ("", "qa", "row 1: empty answer"),
+        ("  ", "math", "row 1: empty answer"),
+        ("The", "qa", "row 1: answer 'The' is empty once normalised"),
+        ("?!", "qa", "row 1: answer '\\?!' is empty once normalised"),
+        (["x", "a"], "qa", "row 1: answer 'a' is empty once normalised"),
+    ],
+)
+def test_an_empty_gold_is_refused(tmp_path, answer, kind, match):
+    """An empty gold (or one that normalises to nothing) scored any or no answer 1.0."""
+    rows = [{"question": "q0", "answer": "ok"}, {"question": "q1", "answer": answer}]
+    path = write(tmp_path / "e.jsonl", rows)
+    with pytest.raises(ValueError, match=match):
+        FileTask(path, question="question", answer="answer", kind=kind, test_size=0)
+
+
+def test_an_empty_gold_after_the_marker_or_alias_is_refused(tmp_path):
+    path = write(tmp_path / "g.jsonl", [{"question": "q", "answer": "work...\n#### "}])
+    with pytest.raises(ValueError, match="g.jsonl row 0: empty answer"):
+        FileTask(path, format="gsm8k", test_size=0)
+    path = write(tmp_path / "m.jsonl", [{"question": "q", "answer": "x", "answer_aliases": ["An"]}])
+    with pytest.raises(ValueError, match="m.jsonl row 0: alias 'An' is empty once normalised"):
+        FileTask(path, format="musique", test_size=0)
+
+
+def test_jsonl_splits_on_newlines_only_and_drops_a_bom(tmp_path):
+    """splitlines() also split on U+2028 / U+2029 / U+0085, which JSON allows raw in a string;
+    a byte-order mark made the first line invalid JSON."""
+    rows = [{"question": f"one{sep}two", "answer": "x"} for sep in ("\u2028", "\u2029", "\x85")]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows)
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert read_rows(path) == rows
+    array = tmp_path / "s.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode("utf-8"))
+    assert read_rows(array) == rows
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\r\n\r\n{oops\r\n')
+    with pytest.raises(ValueError, match="bad.jsonl:3: not valid JSON"):
+        read_rows(tmp_path / "bad.jsonl")
+
+
+def test_fallback_ids_are_distinct_across_split_files(tmp_path):
+    """Files of the same name in train/ and test/ both gave ids data-0, data-1."""
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        rows = [{"question": f"{split} q{i}", "answer": "x"} for i in range(2)]
+        write(tmp_path / split / "data.jsonl", rows)
+    task = FileTask(
+        train_path=tmp_path / "train" / "data.jsonl",
+        test_path=tmp_path / "test" / "data.jsonl",
+        question="question",
+        answer="answer",
+    )
+    assert [r.id for r in task.records("train")] == ["data-train-0", "data-train-1"]
+    assert [r.id for r in task.records("test")] == ["data-test-0", "data-test-1"]
+    # a single file keeps its {stem}-{row} ids, whichever split a row lands in
+    single = FileTask(
+        tmp_path / "train" / "data.jsonl", question="question", answer="answer", test_size=1
+    )
+    ids = {r.id for split in ("train", "test") for r in single.records(split)}
+    assert ids == {"data-0", "data-1"}
+
+
+def test_repeated_ids_are_refused(tmp_path):
+    rows = [{"id": "same" if i else "other", "question": f"q{i}", "answer": "x"} for i in range(3)]
+    path = write(tmp_path / "dup.jsonl", rows)
+    with pytest.raises(ValueError, match="dup.jsonl row 2: id 'same' repeats row 1"):
+        FileTask(path, question="question", answer="answer", id="id", test_size=0)
+    # across the train and test files
+    train = write(tmp_path / "train.jsonl", [{"id": "k", "question": "a", "answer": "x"}])
+    test = write(tmp_path / "test.jsonl", [{"id": "k", "question": "b", "answer": "x"}])
+    with pytest.raises(ValueError, match="1 record id.* both the train file .* e.g. 'k'"):
+        FileTask(train_path=train, test_path=test, question="question", answer="answer", id="id")
+    # the same row in both files: the train copy is dropped (its prompt is a test prompt)
+    rows = [
+        {"id": "k", "question": "a", "answer": "x"},
+        {"id": "j", "question": "c", "answer": "x"},
+    ]
+    both = write(tmp_path / "both.jsonl", rows)
+    task = FileTask(train_path=both, test_path=train, question="question", answer="answer", id="id")
+    assert [r.id for r in task.records("train")] == ["j"]
+    assert [r.id for r in task.records("test")] == ["k"]
+
+
+@pytest.mark.parametrize("limit", [-3, 0, 2.5, True, "2"])
+def test_limit_must_be_a_positive_count(tmp_path, limit):
+    """A negative limit silently dropped rows from the end."""
+    path = write(tmp_path / "l.jsonl", [{"question": f"q{i}", "answer": "x"} for i in range(10)])
+    with pytest.raises(ValueError, match="limit must be a whole number >= 1"):
+        FileTask(path, question="question", answer="answer", test_size=0, limit=limit)
+    kept = FileTask(path, question="question", answer="answer", test_size=0, limit=3)
+    assert [r.prompt for r in kept.records("train")] == ["q0", "q1", "q2"]
+
+
+def test_chat_content_as_text_parts(tmp_path):
+    """OpenAI-style content parts became the Python repr of the list."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "1+1?"}]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": parts},
+            ],
+            "answer": "2",
+        }
+    ]
+    path = write(tmp_path / "c.jsonl", rows)
+    task = FileTask(path, question="prompt", answer="answer", kind="math", test_size=0)
+    assert task.records("train")[0].prompt == "What is 1+1?"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "image_url", "image_url": {"url": "x.png"}}],
+        [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x.png"}}],
+        [],
+        ["plain"],
+        None,
+        3,
+    ],
+)
+def test_chat_content_that_is_not_text_is_refused(tmp_path, content):
+    rows = [{"prompt": [{"role": "user", "content": content}], "answer": "2"}]
+    path = write(tmp_path / "c.json", rows)
+    with pytest.raises(ValueError, match="c.json row 0: the user message's content must be"):
+        FileTask(path, question="prompt", answer="answer", kind="math", test_size=0)
+
+
+@pytest.mark.parametrize(
+    ("test_size", "match"),
+    [
+        (1.0, "strictly between 0 and 1"),  # gave one test record, as 1 does
+        (1.5, "strictly between 0 and 1"),
+        (-0.1, "strictly between 0 and 1"),
+        (-2, "count >= 1"),
+        (True, "must be a number"),
+        ("0.1", "must be a number"),
+        (0.999, "leaves no train prompt"),  # put every record in test
+        (10, "leaves no train prompt"),
+        (0.01, "leaves no test prompt"),  # rounds to 0 of 10 prompts
+    ],
+)
+def test_test_size_is_a_fraction_or_a_count(tmp_path, test_size, match):
+    path = write(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": "x"} for i in range(10)])
+    with pytest.raises(ValueError, match=f"test_size.*{match}"):
+        FileTask(path, question="question", answer="answer", test_size=test_size)
+
+
+def test_test_size_splits(tmp_path):
+    path = write(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": "x"} for i in range(10)])
+    for test_size, n_test in [(0.1, 1), (0.9, 9), (1, 1), (9, 9), (0, 0), (0.0, 0)]:
+        task = FileTask(path, question="question", answer="answer", test_size=test_size)
+        assert len(task.records("train")) == 10 - n_test
+        if n_test:
+            assert len(task.records("test")) == n_test
+        else:
+            with pytest.raises(ValueError, match="no test records"):
+                task.records("test")

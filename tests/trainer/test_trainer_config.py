@@ -124,12 +124,30 @@ def test_section_is_not_a_value() -> None:
         ("steps=abc", "steps"),
         ("optim.lr=-1", "optim.lr"),
         ("loss.clip_c=0.5", "loss.clip_c"),
+        ("eval.prompts=true", "eval.prompts"),  # not read as 1
+        ("pvpo.m=true", "pvpo.m"),
+        ("reward.task_weight=nan", "reward.task_weight"),
+        ("reward.weights=[1.0, inf]", "reward.weights.1"),
+        ("optim.betas=[1.5, 0.9]", "optim.betas.0"),
     ],
 )
 def test_invalid_values_name_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("grpo", [override])
     assert f"{field}:" in str(info.value)
+
+
+def test_a_preset_is_chosen_with_the_flag_not_relabelled_by_an_override() -> None:
+    with pytest.raises(ConfigError, match="start from a preset with --preset dapo"):
+        load_config("grpo", ["preset=dapo"])
+    assert load_config("dapo").preset == "dapo"
+
+
+def test_asynchronous_rollouts_on_the_ray_engine_named_directly() -> None:
+    cfg = load_config(
+        "grpo", ["rollout.engine=ray", "rollout.engine_args.workers=2", "cluster.async_steps=1"]
+    )
+    assert cfg.engine == ("ray", {"workers": 2}) and cfg.cluster.async_steps == 1
 
 
 def test_overlong_window_is_a_fraction_of_the_budget() -> None:
@@ -220,6 +238,8 @@ REFUSED = [
      "length-adaptive lambda"),
     ("`critic.pretrain_ev_threshold` without value pretraining", "ppo", ["critic.pretrain_ev_threshold=0.5"],
      "switches value pretraining off"),
+    ("`rollout.engine_args.workers` / `.address` with `cluster.rollout_workers`", "grpo",
+     ["cluster.rollout_workers=2", "rollout.engine_args.address=auto"], "set them there"),
 ]  # fmt: skip
 
 

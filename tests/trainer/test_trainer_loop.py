@@ -28,7 +28,7 @@ STEP_KEYS = {
     "reward/mean", "accuracy", "response/length", "policy/entropy", "kl/ref",
     "policy/clipfrac_low", "policy/clipfrac_high", "advantage/mean", "advantage/std",
     "advantage/zero_frac", "rollouts/cumulative", "tokens/cumulative",
-    "time/generate", "time/score", "time/update", "loss/policy", "grad_norm", "lr",
+    "time/generate", "time/score", "time/update", "time/sync", "loss/policy", "grad_norm", "lr",
 }  # fmt: skip
 EVAL_KEYS = {"eval/accuracy", "eval/reward", "eval/length"}
 

@@ -108,11 +108,14 @@ BEHAVIOUR_KEY = "anchor_rl_behaviour_logps"
 """Batch key of the teacher rows' log pi_gt ``[n, T]`` when TRL keeps no old log-probs."""
 TEACHER_KEY = "anchor_rl_teacher_rows"
 """Batch key of the teacher-row mask ``[n]`` (bool) that goes with :data:`BEHAVIOUR_KEY`."""
-SAMPLING_KWARGS = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "do_sample",
-     "num_beams", "suppress_tokens", "bad_words_ids", "presence_penalty", "frequency_penalty"}
-)  # fmt: skip
-"""``generation_kwargs`` keys that change the sampling distribution away from the anchors'."""
+NEUTRAL_GENERATION_KWARGS = frozenset(
+    {"use_cache", "cache_implementation", "cache_config", "stop_token_ids"}
+)
+"""The ``generation_kwargs`` keys the plug-in accepts: cache and implementation options, which
+change neither the sampled distribution nor the lengths, and vLLM's ``stop_token_ids`` (the
+task's stop ids, needed with ``use_vllm``; checked). Every other key (temperature, length
+caps, n-gram bans, logits processors, token biases, ...) may change what is sampled away from
+what the anchors were sampled under, and is refused."""
 
 Section = TypeVar("Section", bound=BaseModel)
 
@@ -265,11 +268,26 @@ class AnchoredGRPOTrainer(GRPOTrainer):
             problems.append(
                 f"repetition_penalty={a.repetition_penalty}: anchors are sampled without it; set 1.0"
             )
-        kw = a.generation_kwargs or {}
-        if bad := sorted(SAMPLING_KWARGS & set(kw)):
+        weights = list(a.reward_weights or [])
+        if any(float(w) != 1.0 for w in weights):
             problems.append(
-                f"generation_kwargs {bad} change the sampling distribution away from the anchors'; "
-                "use GRPOConfig's temperature and top_p"
+                f"reward_weights={weights}: the trainer's reward is the task's (its anchors and "
+                "priors are in its units, unweighted); drop reward_weights and fold weights into "
+                "the task with anchor_rl.tasks.reward_set.with_rewards(task, functions, weights, "
+                "task_weight)"
+            )
+        kw = a.generation_kwargs or {}
+        if bad := sorted(set(kw) - NEUTRAL_GENERATION_KWARGS):
+            problems.append(
+                f"generation_kwargs {bad}: they may change what is sampled (its distribution or "
+                "lengths) away from the anchors' sampling; the plug-in accepts only "
+                f"{sorted(NEUTRAL_GENERATION_KWARGS)} there (set temperature, top_p and "
+                "max_completion_length on GRPOConfig)"
+            )
+        if getattr(a, "vllm_structured_outputs_regex", None):
+            problems.append(
+                "vllm_structured_outputs_regex: it constrains what vLLM samples, and the anchors "
+                "are sampled without it; drop it"
             )
         if self._is_vlm:
             problems.append("processing_class: a multimodal processor; the plug-in is text-only")
@@ -281,8 +299,17 @@ class AnchoredGRPOTrainer(GRPOTrainer):
                     f"use_vllm=True: the task's stops {self.task.stop} must end vLLM's completions "
                     f'as they end the anchors\'; set generation_kwargs={{"stop_token_ids": {stops}}}'
                 )
+        if extra := sorted(set(kw.get("stop_token_ids") or []) - self._stop_ids_allowed()):
+            problems.append(
+                f"generation_kwargs stop_token_ids {extra}: ids other than the task's stops and "
+                "eos end completions where the anchors' rollouts did not stop; drop them"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _stop_ids_allowed(self) -> set[int]:
+        """The token ids that end the anchors' rollouts: the task's stops and the eos ids."""
+        return {*stop_token_ids(self._tokenizer, self.task.stop), *self.eos_token_ids}
 
     def _add_stops(self, stops: Sequence[int]) -> None:
         """End completions at the task's stop tokens (TRL stops on eos ids only)."""
@@ -359,6 +386,7 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         anchor_set = presample_set(
             reference, self._tokenizer, self.task, self.task_id, self.sampling, records,
             AnchorStore(store_path(pvpo)), pvpo, progress=self.progress and bool(records),
+            seed=anchor_seed(pvpo),
         )  # fmt: skip
         self.counts["presample"] = anchor_set.rollouts
         self.counts["presample_now"] = anchor_set.result.rollouts
@@ -458,7 +486,7 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         per_func = self._rewards_per_func
         if per_func is None or len(per_func) != len(every):
             raise RuntimeError("TRL computed no rewards for the whole generation batch")
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards = per_func.nansum(dim=1)  # reward_weights are all 1 (_check_settings)
         rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
         advantages, method_metrics = self._advantages(rewards.detach().float().cpu(), every, k)
         advantages = torch.nan_to_num(advantages.float(), nan=0.0)
@@ -563,7 +591,11 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
     pvpo: PVPO's knobs (``anchor_rl.trainer.pvpo_config.PVPOConfig`` or a mapping of its
         fields): ``m`` reference rollouts per prompt, the anchor ``store`` (default
         ``$ANCHOR_RL_CACHE/anchors.db``, shared with ``anchor-rl presample`` and ``anchor-rl
-        train``), the ``teacher`` and its settings. ``refresh_every`` is not offered.
+        train``), the anchor seed ``presample_seed`` (part of the store key; None: 0, the
+        default of ``anchor-rl presample``; set the seed of an ``anchor-rl train --preset
+        pvpo`` run to reuse its anchors), the ``teacher`` and its settings.
+        ``refresh_every`` and a number of ``prompts`` are not offered (every prompt of the
+        dataset is presampled).
     group_sampling: drop the prompts the reference always solves from ``train_dataset``
         before training, and give the ones it never solves a teacher trajectory (dropping
         those the teacher cannot solve unless ``pvpo.keep_unsolved``). It needs every
@@ -667,7 +699,7 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             pc, anchor_set = self.pvpo, self.anchor_set
             result = presample_prompts(
                 new, anchor_set.sampler, anchor_set.store, anchor_set.key, pc.m,
-                pc.presample_batch, PRESAMPLE_SEED, self.progress,
+                pc.presample_batch, anchor_seed(pc), self.progress,
             )  # fmt: skip
             self.anchors |= anchor_set.store.get_anchors(anchor_set.key, [r.id for r in new])
             sampled = result.rollouts
@@ -695,9 +727,21 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         }
 
 
+def anchor_seed(pc: PVPOConfig) -> int:
+    """The anchor seed (part of the store key): ``pvpo.presample_seed``, else 0, the default
+    of ``anchor-rl presample --seed`` (``anchor-rl train`` falls back to the run's seed)."""
+    return PRESAMPLE_SEED if pc.presample_seed is None else pc.presample_seed
+
+
 def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
     if presample not in ("first_use", "start"):
         raise ConfigError(f"presample={presample!r}: choose 'first_use' or 'start'")
+    if pc.prompts not in ("auto", "all"):
+        raise ConfigError(
+            f"pvpo.prompts={pc.prompts}: the TRL plug-in presamples every prompt of "
+            "train_dataset (or each on its first use), it does not walk a subset; pass a "
+            "train_dataset (or records=) of the prompts to train on and drop pvpo.prompts"
+        )
     if pc.refresh_every:
         raise UnsupportedFeatureError(
             f"pvpo.refresh_every={pc.refresh_every}: the TRL plug-in does not refresh anchors (not "
@@ -727,8 +771,8 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
     v05: V0.5's knobs (``anchor_rl.trainer.v05_config.V05Config`` or a mapping of its
         fields). The probe (``v05.probe_*``) and ``v05.top_up_rounds`` are not offered.
     pvpo: presampling of the ``anchor`` prior's anchors (``m``, ``store``,
-        ``presample_batch``; every prompt is presampled at start); only with an
-        anchor-based prior.
+        ``presample_batch``, ``presample_seed``; every prompt is presampled at start); only
+        with an anchor-based prior.
     budget: ``fixed`` (``num_generations`` per prompt). ``adaptive`` (top-up rollouts where
         the prior is rejected) raises :class:`UnsupportedFeatureError`: TRL generates the
         same number of completions for every prompt and reshapes the rewards to
@@ -845,11 +889,11 @@ def _check_v05(vc: V05Config, pvpo_given: bool, pc: PVPOConfig, budget: str) -> 
         raise ConfigError(
             f"pvpo with v05.prior={vc.prior!r}: nothing presamples; drop pvpo, or an anchor prior"
         )
-    extra = _non_default(
-        pc, [f for f in PVPOConfig.model_fields if f not in ("m", "store", "presample_batch")]
-    )
+    read = ("m", "store", "presample_batch", "presample_seed")
+    extra = _non_default(pc, [f for f in PVPOConfig.model_fields if f not in read])
     if extra:
         raise ConfigError(
-            f"pvpo.{', pvpo.'.join(extra)}: V05GRPOTrainer reads pvpo.m, pvpo.store and "
-            "pvpo.presample_batch only (group sampling is PVPOGRPOTrainer's)"
+            f"pvpo.{', pvpo.'.join(extra)}: V05GRPOTrainer reads pvpo.m, pvpo.store, "
+            "pvpo.presample_batch and pvpo.presample_seed only (group sampling is "
+            "PVPOGRPOTrainer's)"
         )

@@ -30,6 +30,7 @@ __all__ = [
     "VAPOSection",
     "check_verl_config",
     "select",
+    "unread_knobs",
 ]
 
 Method = Literal["pvpo", "v05", "vapo"]
@@ -220,11 +221,51 @@ def select(cfg: Any, path: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+_ANCHOR_FIELDS = ("m", "presample_batch", "anchor_key", "reference")
+"""The ``pvpo`` knobs an anchor-based V0.5 prior reads (presampling of its anchors)."""
+
+
+def unread_knobs(method: MethodConfig) -> list[str]:
+    """The knobs of ``method`` set away from their defaults in a section the chosen method
+    does not read (``pvpo.teacher`` with ``method=v05``, ``v05.*`` with ``method=pvpo``, ...),
+    as ``anchor_rl.SECTION.FIELD``. A section at its defaults, as the example config writes
+    every knob, is fine."""
+    name = method.method
+    read: dict[str, tuple[str, ...]] = {
+        "pvpo": tuple(PVPOSection.model_fields) if name == "pvpo" else (),
+        "v05": tuple(V05Section.model_fields) if name == "v05" else (),
+        "vapo": tuple(VAPOSection.model_fields) if name == "vapo" else (),
+    }
+    if name == "v05" and method.uses_anchors:
+        read["pvpo"] = _ANCHOR_FIELDS
+    unread = []
+    for section, fields in read.items():
+        value = getattr(method, section)
+        default = type(value)()
+        unread += [
+            f"anchor_rl.{section}.{f}"
+            for f in type(value).model_fields
+            if f not in fields and getattr(value, f) != getattr(default, f)
+        ]
+    return unread
+
+
 def check_verl_config(cfg: Any, method: MethodConfig) -> None:
     """ValueError, one line naming the verl setting and the fix, for a combination that cannot
     mean what it says with ``method`` (see docs/integrations.md, section "verl", "Refused
     settings")."""
     name = method.method
+    if unread := unread_knobs(method):
+        reads = {
+            "pvpo": "anchor_rl.pvpo.*",
+            "v05": "anchor_rl.v05.* and, with an anchor prior, anchor_rl.pvpo."
+            + ", anchor_rl.pvpo.".join(_ANCHOR_FIELDS),
+            "vapo": "anchor_rl.vapo.*",
+        }[name]
+        raise ValueError(
+            f"{', '.join(unread)} set with anchor_rl.method={name}, which does not read them "
+            f"(it reads {reads}): drop them or set them to their defaults"
+        )
     estimator = select(cfg, "algorithm.adv_estimator")
     if estimator != ESTIMATORS[name]:
         raise ValueError(

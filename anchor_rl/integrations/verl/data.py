@@ -4,7 +4,7 @@ Anchors are keyed by prompt *content*: the SHA-256 of the canonical JSON of a ro
 ``raw_prompt`` (the chat messages verl's dataset yields and its agent loop renders). The
 same prompt therefore finds its anchor whatever its position in the dataset, its ``uid``
 (a fresh uuid per step) or the process that sampled it, and two rows with the same
-messages share one anchor.
+messages share one anchor. Prompts must be text: an image or video part is refused.
 
 No verl import here.
 """
@@ -60,10 +60,42 @@ def as_list(values: Any) -> list[Any]:
     return [x.data if type(x).__name__ == "NonTensorData" else x for x in items]
 
 
+TEXT_ONLY = (
+    "the anchor_rl trainer keys anchors by prompt content and supports text-only prompts "
+    "(a string, or chat messages whose content is a string or a list of "
+    '{"type": "text", "text": ...} parts)'
+)
+
+
+def _check_text_only(value: Any, where: str = "raw_prompt") -> None:
+    """ValueError naming the first part of ``value`` (plain data) that is not text: a message
+    content part of another type than ``text`` (an image, a video), or a value JSON cannot
+    hold (a PIL image, bytes), whose key would not be stable from one load of the dataset to
+    the next."""
+    if isinstance(value, Mapping):
+        parts = value.get("content")
+        if isinstance(parts, list):
+            for i, part in enumerate(parts):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text":
+                    got = f"a {kind!r} part" if kind else f"a {type(part).__name__}"
+                    raise ValueError(f"{where}.content[{i}] is {got}: {TEXT_ONLY}")
+        for k, v in value.items():
+            _check_text_only(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text_only(v, f"{where}[{i}]")
+    elif not (value is None or isinstance(value, str | bool | int | float)):
+        raise ValueError(f"{where} holds a {type(value).__name__}: {TEXT_ONLY}")
+
+
 def prompt_key(raw_prompt: Any) -> str:
     """The content key of a prompt: 32 hex characters of the SHA-256 of the canonical JSON of
-    its ``raw_prompt`` (a list of chat messages, or a string)."""
-    return hashlib.sha256(canonical_json(plain(raw_prompt)).encode()).hexdigest()[:32]
+    its ``raw_prompt`` (a list of chat messages, or a string). Text only: a ValueError for an
+    image or video part, or any value JSON cannot hold (:func:`_check_text_only`)."""
+    raw = plain(raw_prompt)
+    _check_text_only(raw)
+    return hashlib.sha256(canonical_json(raw).encode()).hexdigest()[:32]
 
 
 def field_value(row: Mapping[str, Any], path: str) -> Any:

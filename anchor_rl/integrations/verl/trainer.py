@@ -226,10 +226,15 @@ class AnchorRLTrainer(PPOTrainerSync):
         reference = pc.reference or fingerprint_reference(
             str(self.config.actor_rollout_ref.model.path)
         )
-        sampling = {
-            name: plain(select(rollout, name))
-            for name in ("temperature", "top_p", "top_k", "response_length", "prompt_length")
-        } | {"agent_loop": str(select(rollout, "agent.default_agent_loop"))}
+        names = ("temperature", "top_p", "top_k", "response_length", "prompt_length", "do_sample",
+                 "ignore_eos")  # fmt: skip
+        sampling = {name: plain(select(rollout, name)) for name in names} | {
+            "agent_loop": str(select(rollout, "agent.default_agent_loop")),
+            # the agent loop renders the prompts with these (enable_thinking, ...)
+            "chat_template_kwargs": plain(
+                select(self.config, "data.apply_chat_template_kwargs", {})
+            ),
+        }
         task = {
             "train_files": plain(select(self.config, "data.train_files")),
             "prompt_key": plain(select(self.config, "data.prompt_key")),
