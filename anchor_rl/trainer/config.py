@@ -39,10 +39,7 @@ Aggregation = Literal[
 ]
 
 
-_Section = Section
-
-
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """How many responses are sampled per step and how."""
 
     prompts_per_step: int = Field(8, gt=0)
@@ -76,7 +73,7 @@ class RolloutConfig(_Section):
         return _registered("engine", value)
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     """The training reward: the task's, reward functions added to or replacing it, shaping."""
 
     functions: list[str] = Field(default_factory=list)
@@ -115,7 +112,7 @@ class RewardConfig(_Section):
         return self
 
 
-class FilterConfig(_Section):
+class FilterConfig(Section):
     """Which groups are trained on."""
 
     kind: Literal["none", "dynamic", "group"] = "none"
@@ -162,7 +159,7 @@ def _registered(kind: str, name: str) -> str:
     return name
 
 
-class AdvantageConfig(_Section):
+class AdvantageConfig(Section):
     """The baseline source: which estimator of anchor_rl.algos.registry turns rewards into advantages."""
 
     estimator: str = "grpo"
@@ -181,7 +178,7 @@ class AdvantageConfig(_Section):
         return _registered("estimator", value)
 
 
-class KLConfig(_Section):
+class KLConfig(Section):
     """KL to the reference policy."""
 
     coef: float = Field(0.0, ge=0)
@@ -195,7 +192,7 @@ class KLConfig(_Section):
     """Log the KL to the reference even when coef is 0 (one extra forward pass per step)."""
 
 
-class LossConfig(_Section):
+class LossConfig(Section):
     """The policy loss (a registered one, anchor_rl.algos.losses) and the other loss terms."""
 
     policy_loss: str = "ppo"
@@ -222,7 +219,7 @@ class LossConfig(_Section):
         return _registered("policy loss", value)
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW, warm-up then constant learning rate, PPO epochs over mini-batches."""
 
     lr: float = Field(3e-5, ge=0)
@@ -276,7 +273,7 @@ class OptimConfig(_Section):
     `off`: float32 throughout."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out evaluation on the task's test split."""
 
     every: int = Field(10, ge=0)
@@ -296,7 +293,7 @@ class EvalConfig(_Section):
     show there first."""
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Resumable checkpoints in RUN_DIR/checkpoints/step_NNNNNN."""
 
     every: int = Field(25, ge=0)
@@ -305,7 +302,7 @@ class CheckpointConfig(_Section):
     """Checkpoints kept on disk (oldest deleted first)."""
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     """Metric sinks. metrics.jsonl is always written."""
 
     tensorboard: bool = True
@@ -371,7 +368,7 @@ def _plugin_failed(name: str, exc: Exception) -> AnchorRLError:
     )
 
 
-class ClusterConfig(_Section):
+class ClusterConfig(Section):
     """Where a run's work goes beyond this process (docs/distributed.md)."""
 
     rollout_workers: int = Field(0, ge=0)
@@ -412,7 +409,7 @@ class ClusterConfig(_Section):
     """The truncation of `async_correction = tis`'s importance weights."""
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Everything a training run depends on."""
 
     plugins: list[str] = Field(default_factory=list)

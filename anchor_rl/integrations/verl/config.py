@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.critic_config import CriticConfig
+from anchor_rl.trainer.section import Section
 from anchor_rl.trainer.v05_config import V05Config
 
 __all__ = [
@@ -36,11 +37,7 @@ __all__ = [
 Method = Literal["pvpo", "v05", "vapo"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class PVPOSection(_Section):
+class PVPOSection(Section):
     """PVPO's static anchors (also the base of V0.5's ``anchor`` prior), group sampling, teacher."""
 
     m: int = Field(8, gt=0)
@@ -82,7 +79,7 @@ class PVPOSection(_Section):
         return value
 
 
-class V05Section(_Section):
+class V05Section(Section):
     """V0.5's prior, fusion and rollout budget (anchor-rl's `v05` section, docs/v05.md)."""
 
     prior: str = "anchor+history"
@@ -121,7 +118,7 @@ class V05Section(_Section):
         return V05Config(**self.model_dump(exclude={"budget"}))
 
 
-class VAPOSection(_Section):
+class VAPOSection(Section):
     """VAPO's decoupled and length-adaptive GAE and positive-example NLL (docs/vapo.md)."""
 
     lam: float | Literal["policy"] = 1.0
@@ -144,7 +141,7 @@ class VAPOSection(_Section):
         return CriticConfig(**self.model_dump(exclude={"nll_coef"}))
 
 
-class MethodConfig(_Section):
+class MethodConfig(Section):
     """The ``anchor_rl`` node: the method the ``anchor_rl`` trainer runs and its knobs."""
 
     method: Method
