@@ -108,8 +108,9 @@ def parse_int(text: str | None, max_digits: int = MAX_INT_DIGITS) -> int | None:
 
     Commas are allowed only as thousands separators (``1,234``, ``-12,345,678``); ``4,3``,
     ``1,2345``, ``0,123`` or ``,29`` are no integer. Digits are ASCII or any other Unicode
-    decimal digit (``int`` reads them); ``²`` or ``1.0`` are no integer. A number with more than ``max_digits`` significant digits
-    (leading zeros not counted) is None too, without being converted; linear time.
+    decimal digit (``int`` reads them); ``²`` or ``1.0`` are no integer. A number with more
+    than ``max_digits`` significant digits (leading zeros not counted) is None too, without
+    being converted; linear time.
     """
     if text is None:
         return None

@@ -327,9 +327,10 @@ def _check_test_size(test_size: Any) -> None:
 def _split_by_prompt(
     records: list[Record], test_size: float, seed: int
 ) -> tuple[list[Record], list[Record]]:
-    """Train and test records, split by distinct prompt; DatasetError when a test split is
-    asked for (``test_size`` > 0) and train or test would be empty."""
-    _check_test_size(test_size)
+    """Train and test records, split by distinct prompt (``test_size`` as
+    :func:`_check_test_size` accepts it, checked by the caller before the file is read);
+    DatasetError when a test split is asked for (``test_size`` > 0) and train or test would
+    be empty."""
     prompts = sorted({r.prompt for r in records})
     random.Random(seed).shuffle(prompts)
     n_test = round(test_size * len(prompts)) if isinstance(test_size, float) else test_size
@@ -404,7 +405,6 @@ class FileTask(GuardedTask):
         if path is not None and (train_path is not None or test_path is not None):
             raise DatasetError("give either path or train_path/test_path, not both")
         self._source = ", ".join(str(p) for p in (path, train_path, test_path) if p)
-        _check_limit(limit)
         if path is not None:
             _check_test_size(test_size)
             train, test = _split_by_prompt(load_records(path, self.format, limit), test_size, seed)

@@ -6,8 +6,8 @@ TRL's signature ``f(prompts, completions, **columns) -> list[float | None]`` (a 
 name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS` or an importable ``module:function``).
 The columns are ``answer`` (the record's gold answer: a string, or, when the record has
 aliases in ``meta["aliases"]``, the list of the gold answer and its aliases), ``prompt_id``
-and the record's ``meta`` fields. A ``None`` reward, a raising call and a timed-out one add nothing for that
-completion (the failures are counted, :attr:`RewardedTask.verifiers`, and
+and the record's ``meta`` fields. A ``None`` reward, a raising call and a timed-out one add
+nothing for that completion (the failures are counted, :attr:`RewardedTask.verifiers`, and
 :meth:`RewardedTask.verifier_stats` adds them to the task's own).
 
 What "correct" means does not change: ``correct`` stays the task's own verdict, the

@@ -298,9 +298,10 @@ def _learner_main(
         except NonFiniteError:
             # A divergence shows on every rank at the same check (the gradients are
             # all-reduced, the policy update's figures summed over the ranks), so rank 0
-            # raises it too and ends the run with its message. This rank neither steps nor dies: dying would
-            # close its connections under rank 0, whose stop message would then fail with
-            # gloo's "Connection closed by peer" over the real error. It waits for the stop.
+            # raises it too and ends the run with its message. This rank neither steps nor
+            # dies: dying would close its connections under rank 0, whose stop message would
+            # then fail with gloo's "Connection closed by peer" over the real error. It
+            # waits for the stop.
             continue
     dist.destroy_process_group()
     # Leave without tearing this rank's objects down. A DDP reducer still holds the process

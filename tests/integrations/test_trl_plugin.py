@@ -430,8 +430,9 @@ def test_generation_kwargs_that_change_nothing_sampled_are_accepted(
     trainer = V05GRPOTrainer(model, args=args, progress=False, **common)
     assert trainer.generation_config.use_cache is True
     assert trainer.generation_config.max_new_tokens == trainer.sampling.max_new_tokens == MAX_NEW
-    # stop ids: the task's and eos are where the anchors' rollouts stop; others are not
-    stops = sorted(trainer._stop_ids_allowed())
+    # stop ids: the task's and eos are where the anchors' rollouts stop (the trainer's own
+    # eos_token_ids once it is built: eos, then the task's stops); others are not
+    stops = sorted(set(trainer.eos_token_ids))
     args = grpo_args(tmp_path, generation_kwargs={"stop_token_ids": stops})
     V05GRPOTrainer(model, args=args, progress=False, **common)
     other = next(i for i in range(len(tokenizer)) if i not in stops)

@@ -123,7 +123,8 @@ def test_pretraining_drives_explained_variance_up():
     assert mean_later_value(good) > 0.7 and mean_later_value(bad) < 0.3
     # V(s_0) has seen only the prompt, the same for every row: it cannot tell and stays
     # between the two rewards, near P(GOOD) = 0.5 up to Adam tracking the last mini-batches
-    # of 8 (their share of GOOD has a std of 0.18; 0.24 was seen on one CPU, within 0.3-0.7 on another)
+    # of 8 (their share of GOOD has a std of 0.18; 0.24 was seen on one CPU, within 0.3-0.7
+    # on another)
     assert 0.15 < float(values[:, 0].mean()) < 0.85
 
 

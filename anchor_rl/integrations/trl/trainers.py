@@ -291,25 +291,21 @@ class AnchoredGRPOTrainer(GRPOTrainer):
             )
         if self._is_vlm:
             problems.append("processing_class: a multimodal processor; the plug-in is text-only")
-        if a.use_vllm:
-            stops = stop_token_ids(self._tokenizer, self.task.stop)
-            given = set(kw.get("stop_token_ids") or [])
-            if not set(stops) <= given:
-                problems.append(
-                    f"use_vllm=True: the task's stops {self.task.stop} must end vLLM's completions "
-                    f'as they end the anchors\'; set generation_kwargs={{"stop_token_ids": {stops}}}'
-                )
-        if extra := sorted(set(kw.get("stop_token_ids") or []) - self._stop_ids_allowed()):
+        stops = stop_token_ids(self._tokenizer, self.task.stop)
+        given = set(kw.get("stop_token_ids") or [])
+        if a.use_vllm and not set(stops) <= given:
+            problems.append(
+                f"use_vllm=True: the task's stops {self.task.stop} must end vLLM's completions "
+                f'as they end the anchors\'; set generation_kwargs={{"stop_token_ids": {stops}}}'
+            )
+        # the ids that end the anchors' rollouts: the task's stops and the eos ids
+        if extra := sorted(given - {*stops, *self.eos_token_ids}):
             problems.append(
                 f"generation_kwargs stop_token_ids {extra}: ids other than the task's stops and "
                 "eos end completions where the anchors' rollouts did not stop; drop them"
             )
         if problems:
             raise ConfigError("; ".join(problems))
-
-    def _stop_ids_allowed(self) -> set[int]:
-        """The token ids that end the anchors' rollouts: the task's stops and the eos ids."""
-        return {*stop_token_ids(self._tokenizer, self.task.stop), *self.eos_token_ids}
 
     def _add_stops(self, stops: Sequence[int]) -> None:
         """End completions at the task's stop tokens (TRL stops on eos ids only)."""
