@@ -3,12 +3,23 @@ parity task as the trainer's task, tiny-run overrides and one torch thread."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import TINY, ParityTask
 
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n 2``: one worker per core) each worker and every process it
+    starts (CLI runs, Ray workers, learner ranks, servers) runs one torch thread, so the
+    workers do not oversubscribe the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
