@@ -41,9 +41,10 @@ from anchor_rl.trainer.config import ConfigError, TrainConfig, build_config
 
 INSTALL_HINT = 'pip install -e ".[compare]"'
 RESULT_FILE = "result.json"
-RUN_KEYS = ("config", "steps", "wall_s", "process_s", "memory", "eval")
+RUN_KEYS = ("config", "steps", "wall_s", "process_s", "memory", "eval", "allocator")
 """What the summary keeps of each run's ``result.json`` (``process_s``: the run's whole
-process, start to exit, as the suite timed it; missing in runs from before it did)."""
+process, start to exit, as the suite timed it; ``allocator``: how its glibc allocator was
+set, :func:`allocator_settings`; both missing in runs from before they were recorded)."""
 FRAMEWORKS = ("anchor-rl", "trl")
 
 TRL_SUITE = Suite(
@@ -120,6 +121,15 @@ DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
         "generation included",
         "the same bfloat16 matmuls with float32 master weights; anchor-rl's sampler reads "
         "bfloat16 weights where autocast casts the float32 ones at every op",
+    ),
+    (
+        "allocator",
+        "glibc's mmap and trim thresholds raised when the run starts (`anchor_rl.allocator`; "
+        "`ANCHOR_RL_MALLOC=default` turns it off)",
+        "glibc's defaults",
+        "each library's process as a user gets it; freed memory kept for the next step saves "
+        "anchor-rl the page faults of re-allocating it (a control: the `MALLOC_*_THRESHOLD_` "
+        "variables set for both, docs/results.md)",
     ),
     (
         "std epsilon",
@@ -492,7 +502,17 @@ def _worker(framework: str, config: dict[str, Any], run_dir: str) -> None:
     with quiet_transformers():  # loading/saving bars; the training bar stays
         result = train(cfg, Path(run_dir))
     result |= {"framework": framework, "config": config, "host": host_info(cfg.device)}
+    result["allocator"] = allocator_settings()
     (Path(run_dir) / RESULT_FILE).write_text(json.dumps(result, indent=2))
+
+
+def allocator_settings() -> dict[str, Any]:
+    """How this process's glibc allocator was set: by anchor-rl (``kept``, the run set its
+    thresholds: ``anchor_rl.allocator``) or by ``MALLOC_*`` variables."""
+    from anchor_rl import allocator
+
+    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return {"kept": bool(allocator._applied)} | {k: os.environ[k] for k in names if k in os.environ}
 
 
 def _train_anchor(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:

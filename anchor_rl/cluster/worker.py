@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.rollout.decoders import DecodeMode
 from anchor_rl.rollout.engine import Precision, Request, cast_parameters, make_engine
@@ -46,6 +47,7 @@ class RolloutWorker:
         precision: Precision = "model",
     ) -> None:
         torch.set_num_threads(threads)
+        keep_freed_memory()
         model = model_class(config)
         if generation_config is not None:
             model.generation_config = generation_config

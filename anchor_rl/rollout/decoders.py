@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import LayerPass, decode_layers, llama_unsupported, rotary_tables
@@ -156,11 +157,20 @@ def _bias(attend: torch.Tensor) -> torch.Tensor:
 class StaticDecoder:
     """A Llama-architecture model's decoder layers run with preallocated key/value buffers.
 
-    Buffers per layer: keys ``[B, H_kv, D, W]`` (transposed, so the scores are a batched
-    matmul on a plain column slice: on the CPU, where a decode step's attention is bound by
-    reading the cache, bfloat16 keys read through a transposed view of ``[..., W, D]``
-    buffers cost a copy of the view, ``scripts/probe_attention.py``) and values ``[B, H_kv,
-    W, D]``. ``W`` starts at the context's length ``L`` plus :attr:`GROW_COLUMNS` and grows
+    Attention over the buffers (``attention``; None: ``sdpa`` for a bfloat16 or float16
+    model on the CPU, ``matmul`` otherwise, chosen at the prefill):
+
+    - ``sdpa``: PyTorch's ``scaled_dot_product_attention`` on keys and values ``[B, H_kv,
+      W, D]`` with a boolean mask, the query heads of each key/value head folded into the
+      query axis. On the CPU its fused kernel reads the cache once and keeps the softmax in
+      float32, where a bfloat16 batched matmul of a decode step's shapes is slow: bfloat16
+      rollouts took 0.75x the ``matmul`` time (``tiny`` and ``small``, Intel Xeon); in
+      float32 1.04x, so float32 keeps ``matmul`` (``docs/results.md``).
+    - ``matmul``: two batched matmuls and a float32 softmax between them, keys stored
+      transposed (``[B, H_kv, D, W]``, so the scores are a matmul on a plain column slice),
+      values ``[B, H_kv, W, D]``; what CUDA runs (and captures in graphs), measured there.
+
+    ``W`` starts at the context's length ``L`` plus :attr:`GROW_COLUMNS` and grows
     by as many columns whenever the buffers fill, up to ``L + budget``: a step reads the
     first ``K`` columns of every row, and rows much wider than ``K`` make that read strided
     (on the CPU, a ``tiny`` step's attention over 28 of 92 columns took ~4x as long as over
@@ -185,6 +195,7 @@ class StaticDecoder:
         static_shapes: bool = False,
         graphs: bool = False,
         eager_if_capture_fails: bool = False,
+        attention: Literal["sdpa", "matmul"] | None = None,
     ):
         reason = static_unsupported(model)
         if reason is not None:
@@ -209,6 +220,10 @@ class StaticDecoder:
         self.static_shapes = static_shapes or graphs
         self.eager_if_capture_fails = eager_if_capture_fails  # else a failed capture raises
         self._graph: tuple[int, _StepGraph] | None = None  # the current span's, and its span
+        if attention not in (None, "sdpa", "matmul"):
+            raise ValueError(f"attention must be sdpa or matmul, got {attention!r}")
+        self.attention = attention
+        self.sdpa = attention == "sdpa"  # the turn's choice (attention None: set at prefill)
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, budget: int
@@ -223,6 +238,10 @@ class StaticDecoder:
                 "use decode=auto or static"
             )
         self._graph = None
+        half = self.inner.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        self.sdpa = self.attention == "sdpa" or (
+            self.attention is None and device.type == "cpu" and half
+        )
         self.passes = decode_layers(self.inner, b)  # weights fixed for the turn: prepare once
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
@@ -236,7 +255,7 @@ class StaticDecoder:
         attend = causal[None] & self.keep[:, None, :length]
         attend |= torch.eye(length, dtype=torch.bool, device=device)[None]
         embedded = self.inner.embed_tokens(ids[distinct])
-        hidden = self._layers(embedded, pos[distinct], _bias(attend[:, None]), 0, length)
+        hidden = self._layers(embedded, pos[distinct], attend[:, None], 0, length)
         logits = self._logits(hidden[:, -1:, :])
         self.column = length
         if shared:  # every row its own buffers, with room to grow
@@ -249,12 +268,13 @@ class StaticDecoder:
     def _buffers(
         self, rows: int, width: int, device: torch.device
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Key buffers ``[rows, H_kv, D, width]`` and value buffers ``[rows, H_kv, width,
-        D]``, one of each per layer: uninitialised, or zeros on static shapes (a step
-        there multiplies every column, and a masked column must hold no NaN)."""
+        """Key buffers (``[rows, H_kv, width, D]``, transposed to ``[rows, H_kv, D, width]``
+        for ``matmul`` attention) and value buffers ``[rows, H_kv, width, D]``, one of each
+        per layer: uninitialised, or zeros on static shapes (a step there multiplies every
+        column, and a masked column must hold no NaN)."""
         dtype, layers = self.inner.embed_tokens.weight.dtype, len(self.inner.layers)
-        keys = (rows, self.kv_heads, self.head_dim, width)
         values = (rows, self.kv_heads, width, self.head_dim)
+        keys = values if self.sdpa else (rows, self.kv_heads, self.head_dim, width)
         new = torch.zeros if self.static_shapes else torch.empty
         return (
             [new(keys, device=device, dtype=dtype) for _ in range(layers)],
@@ -338,8 +358,8 @@ class StaticDecoder:
         else:
             self.keep[:, at] = True
             seen = self.keep[:, : at + 1]
-        bias = _bias(seen[:, None, None, :])
-        hidden = self._layers(self.inner.embed_tokens(tokens[:, None]), pos[:, None], bias, at, 1)
+        attend = seen[:, None, None, :]
+        hidden = self._layers(self.inner.embed_tokens(tokens[:, None]), pos[:, None], attend, at, 1)
         return self._logits(hidden)
 
     def select(self, index: torch.Tensor) -> None:
@@ -359,7 +379,10 @@ class StaticDecoder:
         pick = slice(None) if rows is None else rows
         keys, values = self._buffers(n, width, self.keep.device)
         for new, old in zip(keys, self.keys, strict=True):
-            new[..., :written] = old[..., :written][pick]
+            if self.sdpa:
+                new[:, :, :written] = old[:, :, :written][pick]
+            else:
+                new[..., :written] = old[..., :written][pick]
         for new, old in zip(values, self.values, strict=True):
             new[:, :, :written] = old[:, :, :written][pick]
         self.keys, self.values = keys, values
@@ -368,42 +391,53 @@ class StaticDecoder:
         self,
         hidden: torch.Tensor,
         pos: torch.Tensor,
-        bias: torch.Tensor,
+        attend: torch.Tensor,
         start: int | torch.Tensor,
         n: int,
     ) -> torch.Tensor:
         """Run every decoder layer on ``hidden[B, n, H]`` at positions ``pos[B, n]``,
-        writing keys and values to columns ``start .. start + n``; ``bias[B, 1, n, K]``
-        (0 or -inf) says which of the first ``K`` columns each query sees (``K = start + n``
+        writing keys and values to columns ``start .. start + n``; ``attend[B, 1, n, K]``
+        (bool) says which of the first ``K`` columns each query sees (``K = start + n``
         for an int ``start``). A tensor ``start`` (``[1]``, with ``n = 1``) is the
         static-shape step: its column is written in place, and ``K`` is its span."""
         b = hidden.shape[0]
         cos, sin = rotary_tables(self.inner, hidden, pos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
         static = isinstance(start, torch.Tensor)
-        end = bias.shape[-1]  # the columns attended
+        end = attend.shape[-1]  # the columns attended
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads  # query heads per key/value head
+        # the query heads of a key/value head are folded into the query axis, [group * n]
+        if self.sdpa:
+            mask = attend.repeat(1, 1, group, 1) if group > 1 else attend
+        else:
+            bias = _bias(attend)
         for layer, keys, values in zip(self.passes, self.keys, self.values, strict=True):
             q, k, v = layer.project(hidden, cos, sin)  # [B, n, heads | kv, D]
             width = values.shape[2]
+            k_in = k.transpose(1, 2) if self.sdpa else k.permute(0, 2, 3, 1)
             if static:
-                keys.index_copy_(3, start, k.permute(0, 2, 3, 1))
+                keys.index_copy_(2 if self.sdpa else 3, start, k_in)
                 values.index_copy_(2, start, v.transpose(1, 2))
-            else:
-                keys[..., start : start + n] = k.permute(0, 2, 3, 1)
+            elif self.sdpa:
+                keys[:, :, start : start + n] = k_in
                 values[:, :, start : start + n] = v.transpose(1, 2)
-            # batched matmuls on column slices of the buffers (no copy of the cache):
-            # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
-            k_seen = keys.view(b * kv_heads, d, width)[..., :end]
-            v_seen = values.view(b * kv_heads, width, d)[:, :end]
-            q = q.transpose(1, 2).reshape(b * kv_heads, group * n, d)
-            scores = torch.bmm(q, k_seen)
-            scores = scores.view(b, heads, n, end).mul_(self.scaling).add_(bias)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-            probs = probs.view(b * kv_heads, group * n, end)
-            out = torch.bmm(probs, v_seen).view(b, heads, n, d)
-            out = out.transpose(1, 2).reshape(b, n, heads * d)
+            else:
+                keys[..., start : start + n] = k_in
+                values[:, :, start : start + n] = v.transpose(1, 2)
+            q = q.transpose(1, 2).reshape(b, kv_heads, group * n, d)
+            if self.sdpa:  # on column slices of the buffers (no copy of the cache)
+                out = scaled_dot_product_attention(
+                    q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=self.scaling
+                )
+            else:  # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
+                k_seen = keys.view(b * kv_heads, d, width)[..., :end]
+                v_seen = values.view(b * kv_heads, width, d)[:, :end]
+                scores = torch.bmm(q.reshape(b * kv_heads, group * n, d), k_seen)
+                scores = scores.view(b, heads, n, end).mul_(self.scaling).add_(bias)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+                out = torch.bmm(probs.view(b * kv_heads, group * n, end), v_seen)
+            out = out.view(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
             hidden = layer.finish(hidden, out)
         return hidden
 

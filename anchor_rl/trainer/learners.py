@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError, NonFiniteError
 from anchor_rl.models.critic import Critic
@@ -234,6 +235,7 @@ def _learner_main(
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
+    keep_freed_memory()
     dist.init_process_group(
         "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
     )

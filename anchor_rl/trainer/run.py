@@ -26,6 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos.registry import get_estimator
+from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
 from anchor_rl.rollout.engine import Engine, make_engine
@@ -124,6 +125,7 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
     if (run_dir / CONFIG_FILE).exists():
         _check_reusable(cfg, run_dir)
     check_device(cfg.device)
+    keep_freed_memory()  # anchor_rl.allocator: no page faults for each step's tensors
     task = load_task(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     _seed_everything(cfg.seed)
@@ -188,6 +190,7 @@ def resume_run(
     if state.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {state.step}")
     check_device(cfg.device)
+    keep_freed_memory()
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     task = load_task(cfg)
 

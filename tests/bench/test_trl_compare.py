@@ -204,6 +204,8 @@ def test_one_step_of_both_trainers(tmp_path) -> None:
         assert run["process_s"] > run["wall_s"] > 0  # the process also imports and loads
         assert 0.0 <= run["eval"]["final"]["eval/accuracy"] <= 1.0
         assert run["memory"]["rss_peak_mb"] >= run["memory"]["rss_before_mb"] > 0
+        # anchor-rl's run sets glibc's thresholds; TRL's process keeps the defaults
+        assert run["allocator"] == {"kept": framework == "anchor-rl"}
     # Both evaluate the same initial model the same way.
     starts = [payload["runs"][f][0]["eval"]["start"] for f in ("anchor-rl", "trl")]
     assert starts[0] == starts[1]

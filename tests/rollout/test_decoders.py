@@ -3,6 +3,7 @@ grouped-query attention, attention biases, row selection; the choice of decoder.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 
@@ -74,12 +75,17 @@ def _steps_agree(fast, slow, pos: torch.Tensor, vocab: int) -> list[int]:
     return widths
 
 
+ATTENTION = pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+"""Both attentions over the buffers: the CPU's default (sdpa) and CUDA's (matmul)."""
+
+
+@ATTENTION
 @pytest.mark.parametrize("grow", [16, 2], ids=["room", "growing"])  # budget: 8 steps
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
-    name, contexts, pack, grow, monkeypatch
+    name, contexts, pack, grow, attention, monkeypatch
 ) -> None:
     """Also with every projection's weight packed for oneDNN (the threshold lowered to 1:
     these models' weights are below the real one), and with buffers that start with room
@@ -87,7 +93,7 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
     compactions)."""
     monkeypatch.setattr(StaticDecoder, "GROW_COLUMNS", grow)
     model, ids, mask, pos = _contexts(name, contexts, pack, monkeypatch)
-    fast, slow = StaticDecoder(model), HFDecoder(model)
+    fast, slow = StaticDecoder(model, attention=attention), HFDecoder(model)
     embedded: list[int] = []  # rows the prefill runs through the layers
     hook = model.model.embed_tokens.register_forward_hook(
         lambda _m, args, _out: embedded.append(len(args[0]))
@@ -111,24 +117,27 @@ def test_static_logits_equal_the_models_own_forward_through_steps_and_selection(
         assert widths == [length + 8] * 5
 
 
+@ATTENTION
 @pytest.mark.parametrize("span", [128, 4], ids=["one-span", "spans"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("contexts", [CONTEXTS, REPEATED], ids=["distinct", "repeated"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_static_shape_steps_equal_the_models_own_forward(name, contexts, pack, span, monkeypatch):
+def test_static_shape_steps_equal_the_models_own_forward(
+    name, contexts, pack, span, attention, monkeypatch
+):
     """The steps ``decode=graph`` captures, run eagerly: whole-budget buffers (zeros where
     nothing is written yet), each step's column given as a tensor and attention over its
     span of columns (the whole width, or 8 then 16 of 15 with spans of 4), through
     selections and compactions, give the model's own logits."""
     monkeypatch.setattr(StaticDecoder, "SPAN_COLUMNS", span)
     model, ids, mask, pos = _contexts(name, contexts, pack, monkeypatch)
-    fast, slow = StaticDecoder(model, static_shapes=True), HFDecoder(model)
+    fast, slow = StaticDecoder(model, static_shapes=True, attention=attention), HFDecoder(model)
     width = ids.shape[1] + 8
     with torch.no_grad():
         torch.testing.assert_close(
             fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8), rtol=0, atol=1e-5
         )
-        assert fast.values[0].shape[2] == width and not fast.keys[0][..., -1].any()
+        assert fast.values[0].shape[2] == width and not fast.values[0][:, :, -1].any()
         widths = _steps_agree(fast, slow, pos, model.config.vocab_size)
     assert widths == [width] * len(STEPS)  # never grown
     assert fast.keys[0].shape[0] < len(contexts)  # the buffers were compacted on the way
@@ -276,6 +285,65 @@ def test_static_cache_refuses_a_step_past_its_budget() -> None:
         decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 9))
         with pytest.raises(RuntimeError, match="full"):
             decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 10))
+
+
+def test_bf16_decoding_with_either_attention_stays_near_the_float32_logits() -> None:
+    """A bfloat16 copy of a model decodes through prefill, steps and selections with logits
+    as near the float32 model's as its own forward's (``transformers``' in bfloat16):
+    either attention over the buffers adds no error of its own beyond bfloat16's."""
+    model = MODELS["tiny"].eval()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    pos = position_ids(mask)
+    decoders = {
+        "exact": HFDecoder(model),
+        "hf": HFDecoder(half),
+        "sdpa": StaticDecoder(half, attention="sdpa"),
+        "matmul": StaticDecoder(half, attention="matmul"),
+    }
+    errors: dict[str, float] = {name: 0.0 for name in decoders}
+    with torch.no_grad():
+        logits = {k: d.prefill(ids, mask, pos, 8).float() for k, d in decoders.items()}
+        at = pos[:, -1]
+        for tokens, index in [(None, None), *zip(STEPS, KEEP, strict=True)]:
+            if tokens is not None:
+                if index is not None:
+                    index = torch.tensor(index)
+                    for d in decoders.values():
+                        d.select(index)
+                    at = at[index]
+                at = at + 1
+                step = (torch.tensor(tokens), at)
+                logits = {k: d.step(*step).float() for k, d in decoders.items()}
+            for name in decoders:
+                error = (logits[name] - logits["exact"]).abs().max().item()
+                errors[name] = max(errors[name], error)
+    assert 0 < errors["hf"] < 0.1
+    assert errors["sdpa"] < 2 * errors["hf"] and errors["matmul"] < 2 * errors["hf"]
+
+
+def test_a_bf16_model_on_the_cpu_attends_with_sdpa_unless_told_otherwise() -> None:
+    """``attention=None`` picks the fused kernel for a bfloat16 CPU model at the prefill,
+    with keys ``[B, H_kv, W, D]``, and the batched matmuls (keys transposed) for a float32
+    one or when named; other names are refused."""
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    layouts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = copy.deepcopy(MODELS["tiny"]).to(dtype).eval()
+        for attention in (None, "matmul"):
+            decoder = StaticDecoder(model, attention=attention)
+            with torch.no_grad():
+                decoder.prefill(ids, mask, position_ids(mask), 4)
+            same_layout = decoder.keys[0].shape == decoder.values[0].shape
+            layouts[str(dtype)[6:], attention] = (decoder.sdpa, same_layout)
+    assert layouts == {
+        ("float32", None): (False, False),
+        ("float32", "matmul"): (False, False),
+        ("bfloat16", None): (True, True),
+        ("bfloat16", "matmul"): (False, False),
+    }
+    with pytest.raises(ValueError, match="attention must be sdpa or matmul"):
+        StaticDecoder(model, attention="flash")
 
 
 def test_decoder_choice_falls_back_or_names_why() -> None:
