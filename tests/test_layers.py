@@ -12,7 +12,7 @@ import anchor_rl
 ROOT = Path(anchor_rl.__file__).parent
 
 LAYERS = [
-    {"batch", "errors", "registry", "progress", "algos"},
+    {"batch", "errors", "registry", "progress", "allocator", "algos"},
     {"rewards"},
     {"tools"},
     {"tasks"},

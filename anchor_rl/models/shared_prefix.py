@@ -232,10 +232,37 @@ def _attend(
     return out.to(dtype).transpose(1, 2).flatten(2)
 
 
+ROW_MULTIPLE = 128
+"""On the CPU in bfloat16 the token-wide products run on ``N`` rows padded up to a multiple
+of this (:func:`padded_rows`)."""
+
+
+def padded_rows(n: int, like: torch.Tensor) -> int:
+    """Rows to add to a token-wide pass of ``n`` rows (``like``: a tensor on its device,
+    of its dtype) so that its matrix products take one of a few shapes: on the CPU in
+    bfloat16 (autocast or bfloat16 weights) up to a multiple of :data:`ROW_MULTIPLE`, else 0.
+
+    PyTorch runs CPU bfloat16 products on oneDNN, which builds (JIT-compiles) a primitive
+    for every new shape and caches it; the token count changes every step, so every
+    token-wide product of every step paid for a new one (3-6 ms each on an Intel Xeon, a
+    dozen per step), more than the padding's arithmetic costs (docs/results.md). float32
+    products go to MKL, which has no such cost: no padding."""
+    device = like.device.type
+    half = torch.is_autocast_enabled(device) or like.dtype in (torch.bfloat16, torch.float16)
+    if device != "cpu" or not half or ROW_MULTIPLE <= 1:
+        return 0
+    return -n % ROW_MULTIPLE
+
+
 def shared_prefix_logits(model: PreTrainedModel, layout: SharedPrefixLayout) -> torch.Tensor:
     """Logits ``[N, V]`` of the ``N`` response tokens of ``layout`` (on the model's device),
     in its flat token order; gradients flow when grad is enabled."""
-    return model.lm_head(shared_prefix_states(model.model, layout))
+    states = shared_prefix_states(model.model, layout)
+    n = len(states)
+    extra = padded_rows(n, model.lm_head.weight)
+    if extra:  # zero rows: logits 0, sliced off (their gradient is 0)
+        states = torch.cat([states, states.new_zeros(extra, states.shape[-1])])
+    return model.lm_head(states)[:n]
 
 
 def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.Tensor:
@@ -261,9 +288,15 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
         response_allowed.append(torch.cat([prompt_keys, own], -1)[:, None])  # [R, 1, T, P + T]
 
     prompts = inner.embed_tokens(layout.prompt_ids)  # [G, P, H]
-    tokens = inner.embed_tokens(layout.tokens)  # [N, H]
+    # rows of padding after the N tokens (CPU bfloat16: stable product shapes); they attend
+    # to nothing and nothing reads them
+    extra = padded_rows(len(layout.tokens), inner.embed_tokens.weight)
+    ids, pos = layout.tokens, layout.token_pos
+    if extra:
+        ids, pos = (torch.cat([x, x.new_zeros(extra)]) for x in (ids, pos))
+    tokens = inner.embed_tokens(ids)  # [N + extra, H]
     cos_p, sin_p = rotary_tables(inner, prompts, layout.prompt_pos)  # [G, P, D]
-    cos_r, sin_r = rotary_tables(inner, tokens[None], layout.token_pos[None])  # [1, N, D]
+    cos_r, sin_r = rotary_tables(inner, tokens[None], pos[None])  # [1, N + extra, D]
     cos_p, sin_p = cos_p[:, :, None], sin_p[:, :, None]  # [G, P, 1, D]: every head
     cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
     scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
@@ -285,6 +318,8 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
             values = torch.cat([vp[bucket.prompt_of], grid(vr, bucket)], 2)
             out = _attend(grid(qr, bucket), keys, values, allowed, scale)  # [R, T, heads * D]
             response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
+        if extra:
+            response_out.append(response_out[-1].new_zeros(extra, response_out[-1].shape[-1]))
         prompts = layer.finish(prompts, prompt_out)
         tokens = layer.finish(tokens, torch.cat(response_out))
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]

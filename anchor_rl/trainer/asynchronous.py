@@ -171,16 +171,24 @@ class PrefetchingEngine:
             })  # fmt: skip
         return {"pending": calls}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], max_staleness: int | None = None) -> None:
         """Queue a checkpoint's prefetches (:meth:`state_dict`) as collected batches of the
-        same age, ahead of any sent since."""
-        restored = []
-        for call in state["pending"]:
+        same age, ahead of any sent since.
+
+        max_staleness: the resumed run's ``cluster.async_steps``. The i-th queued batch is
+        collected after i more weight syncs, so its staleness then is its age plus i; the
+        ones that would exceed the bound (a run resumed with a smaller ``async_steps``) are
+        discarded, as passed-by prefetches are (their steps sample afresh)."""
+        restored, stale = [], []
+        for i, call in enumerate(state["pending"]):
             requests = tuple(Request(*r) for r in call["requests"])
             key = (requests, call["params"], tuple(call["tools"]), call["instruction"])
             batch = RolloutBatch(**call["batch"])
-            restored.append((key, _Done(batch), self.syncs - call["age"], len(requests)))
-        self._pending = deque([*restored, *self._pending])
+            entry = (key, _Done(batch), self.syncs - call["age"], len(requests))
+            too_old = max_staleness is not None and call["age"] + i > max_staleness
+            (stale if too_old else restored).append(entry)
+        self._pending = deque([*restored, *stale, *self._pending])
+        self._drop(stale)
 
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)

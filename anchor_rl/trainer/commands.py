@@ -74,20 +74,25 @@ def train(
                 "--resume takes the run's own preset and directory; drop --preset/--out"
             )
         resume_overrides = dict(parse_override(o) for o in overrides)
-        if show_config:
-            typer.echo((resume / "config.json").read_text())
-            return
         from anchor_rl.trainer.loop import train as run_loop
-        from anchor_rl.trainer.run import resume_run
+        from anchor_rl.trainer.run import load_task, resume_run, resumed_config
+
+        if show_config:  # what the resumed run would train with, its task checked
+            cfg = resumed_config(resume, resume_overrides)
+            load_task(cfg)
+            typer.echo(cfg.model_dump_json(indent=2))
+            return
 
         run = run_loop(resume_run(resume, resume_overrides, from_checkpoint))
     else:
         cfg = load_config(preset, overrides)
-        if show_config:
+        from anchor_rl.trainer.loop import train as run_loop
+        from anchor_rl.trainer.run import load_task, start_run
+
+        if show_config:  # the task and its arguments checked too, as a run would
+            load_task(cfg)
             typer.echo(cfg.model_dump_json(indent=2))
             return
-        from anchor_rl.trainer.loop import train as run_loop
-        from anchor_rl.trainer.run import start_run
 
         run_dir = out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
         run = run_loop(start_run(cfg, run_dir))

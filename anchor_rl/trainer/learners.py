@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -80,10 +81,11 @@ class LearnerGroup:
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
         table = cfg.model_dump(mode="json")
+        joining = [context.Event() for _ in range(1, world)]  # set as each rank joins
         self.processes = [
             context.Process(
                 target=_learner_main,
-                args=(rank, world, address, table, policy.config, threads),
+                args=(rank, world, address, table, policy.config, threads, joining[rank - 1]),
                 daemon=True,
                 name=f"anchor-rl-learner-{rank}",
             )
@@ -91,6 +93,7 @@ class LearnerGroup:
         ]
         for process in self.processes:
             process.start()
+        _await_joining(self.processes, joining)
         dist.init_process_group(
             "gloo", init_method=address, rank=0, world_size=world, timeout=TIMEOUT
         )
@@ -228,14 +231,45 @@ class LearnerGroup:
                 dist.destroy_process_group()
 
 
+def _await_joining(processes: list[Any], joining: list[Any], poll: float = 0.05) -> None:
+    """Wait until every spawned rank is about to join the process group (its event set),
+    so that a rank that dies before (an import or unpickling error in the new process)
+    ends the run at once with its exit code, instead of rank 0 waiting for the group's
+    30-minute timeout; the other ranks are stopped."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not all(event.is_set() for event in joining):
+        dead = [(p.name, p.exitcode) for p in processes if p.exitcode is not None]
+        late = time.monotonic() > deadline
+        if dead or late:
+            for process in processes:
+                process.kill()
+                process.join(timeout=30)
+            who = ", ".join(f"{name} (exit code {code})" for name, code in dead)
+            raise AnchorRLError(
+                f"{who} stopped before joining the learners' process group (its error is above)"
+                if dead
+                else f"the learner ranks did not start within {TIMEOUT}"
+            )
+        time.sleep(poll)
+
+
 def _learner_main(
-    rank: int, world: int, address: str, table: dict[str, Any], model_config: Any, threads: int
+    rank: int,
+    world: int,
+    address: str,
+    table: dict[str, Any],
+    model_config: Any,
+    threads: int,
+    joining: Any = None,
 ) -> None:
-    """A learner rank: a replica of the policy and its optimiser, updated with rank 0."""
+    """A learner rank: a replica of the policy and its optimiser, updated with rank 0
+    (``joining``: an event set just before it joins the process group)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     keep_freed_memory()
+    if joining is not None:
+        joining.set()
     dist.init_process_group(
         "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
     )

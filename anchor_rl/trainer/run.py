@@ -171,17 +171,7 @@ def resume_run(
     starts again from step 0 with its stored config.
     """
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise AnchorRLError(f"{run_dir} holds no run ({CONFIG_FILE} missing); start one there")
-    table = json.loads((run_dir / CONFIG_FILE).read_text())
-    overrides = overrides or {}
-    for key in overrides:
-        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
-            raise ConfigError(
-                f"{key!r} cannot change on resume (only steps, time_limit, eval.*, checkpoint.*, "
-                "log.*, cluster.*): it would change what the run learns; start a new run with --out"
-            )
-    cfg = build_config(apply_overrides(table, overrides))
+    cfg = resumed_config(run_dir, overrides)
     if not checkpoint.list_checkpoints(run_dir):  # stopped before its first checkpoint
         (run_dir / CONFIG_FILE).unlink()
         return start_run(cfg, run_dir)
@@ -204,8 +194,26 @@ def resume_run(
         checkpoint.load_components(path, run.components)
         prefetched = path / f"{PREFETCH_STATE}.pt"
         if isinstance(run.engine, PrefetchingEngine) and prefetched.is_file():
-            run.engine.load_state_dict(torch.load(prefetched, weights_only=True))
+            state = torch.load(prefetched, weights_only=True)
+            run.engine.load_state_dict(state, max_staleness=cfg.cluster.async_steps)
     return run
+
+
+def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) -> TrainConfig:
+    """The config a resumed run in ``run_dir`` trains with: its stored one with
+    ``overrides`` (dotted keys; only the fields in ``RESUMABLE_KEYS`` may change), validated."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise AnchorRLError(f"{run_dir} holds no run ({CONFIG_FILE} missing); start one there")
+    table = json.loads((run_dir / CONFIG_FILE).read_text())
+    overrides = overrides or {}
+    for key in overrides:
+        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
+            raise ConfigError(
+                f"{key!r} cannot change on resume (only steps, time_limit, eval.*, checkpoint.*, "
+                "log.*, cluster.*): it would change what the run learns; start a new run with --out"
+            )
+    return build_config(apply_overrides(table, overrides))
 
 
 def load_task(cfg: TrainConfig) -> Task:

@@ -12,12 +12,13 @@ import pytest
 import torch
 from helpers import metrics_but_timings
 
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.cluster import RayEngine
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.rollout.engine import HFEngine, group_requests
 from anchor_rl.rollout.types import SamplingParams
-from anchor_rl.trainer.asynchronous import PrefetchingEngine, truncated_is_weights
+from anchor_rl.trainer.asynchronous import PrefetchingEngine, _key, truncated_is_weights
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
@@ -170,6 +171,34 @@ def test_prefetches_queue_in_order_and_the_ones_passed_by_are_discarded() -> Non
     engine.prefetch(c, PARAMS)
     engine.discard()
     assert (engine.pending, engine.discarded, engine.take_discarded()) == (0, 2, len(c))
+
+
+def test_a_run_resumed_with_fewer_async_steps_drops_the_prefetches_that_would_be_too_stale():
+    """Two queued batches, each 1 sync old at the checkpoint: under async_steps=2 both are
+    collected (staleness 1, then 2); under 1 the second would be 2 syncs stale when collected,
+    so it is discarded (counted) and its step samples afresh."""
+    batch = RolloutBatch(
+        group=torch.tensor([0]), prompt_ids=[[5]], response_ids=torch.tensor([[7]]),
+        attention_mask=torch.ones(1, 1), loss_mask=torch.ones(1, 1), logprobs=torch.zeros(1, 1),
+        texts=["x"], tool_calls=torch.zeros(1, dtype=torch.long),
+        truncated=torch.zeros(1, dtype=torch.bool),
+    )  # fmt: skip
+    saved = PrefetchingEngine(_Submitting())
+    a, b = _requests("a"), _requests("b")
+    for requests in (a, b):
+        saved._pending.append(
+            (_key(requests, PARAMS, None, None), SimpleNamespace(result=lambda: batch), 0, len(a))
+        )
+    saved.sync_weights({})
+    state = saved.state_dict()
+    assert [call["age"] for call in state["pending"]] == [1, 1]
+    for steps, kept in ((2, 2), (1, 1)):
+        engine = PrefetchingEngine(_Submitting())
+        engine.load_state_dict(state, max_staleness=steps)
+        assert engine.pending == kept and engine.take_discarded() == (2 - kept) * len(a)
+        engine.rollout(a, PARAMS)
+        assert engine.take_staleness() == 1
+    assert engine.rollout(b, PARAMS) == "now 1+1="  # the dropped one: sampled now
 
 
 def test_truncated_importance_weights_cap_and_mask() -> None:

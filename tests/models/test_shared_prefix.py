@@ -78,6 +78,35 @@ def test_shared_and_padded_layouts_give_the_same_logprobs_entropies_and_gradient
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_cpu_bf16_passes_pad_their_rows_and_give_the_same_logprobs_and_gradients(name, monkeypatch):
+    """Under bf16 autocast on the CPU the token-wide products run on rows padded to a
+    multiple of ROW_MULTIPLE (stable shapes for oneDNN's primitive cache): the padding rows
+    attend to nothing and reach no output, so log-probs, entropies and gradients are those
+    of the unpadded pass, within the rounding of another summation length. float32 pads
+    nothing."""
+    model = MODELS[name].train()
+    p1, p2 = [5, 20, 21, 30, 31], [40, 41]
+    batch = make_batch([p1, p2, p1, p2], [[11, 12, 13], [14], [15, 16, 17, 18, 19], []])
+    heads = []  # the rows the output layer ran on
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _o: heads.append(len(args[0])))
+    runs = {}
+    for multiple in (1, 8):
+        monkeypatch.setattr(shared_prefix, "ROW_MULTIPLE", multiple)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[multiple] = scores_and_gradients(model, batch, shared=True)
+    scores_and_gradients(model, batch, shared=True)  # float32: no padding
+    hook.remove()
+    assert heads == [9, 16, 9]  # 9 response tokens; padded to 16 in bf16 only
+    (a_logp, a_ent, a_grads), (b_logp, b_ent, b_grads) = runs[1], runs[8]
+    torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=1e-2)
+    torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=1e-2)
+    for a, b in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+    assert shared_prefix.padded_rows(9, torch.zeros(1, dtype=torch.bfloat16)) == 7
+    assert shared_prefix.padded_rows(9, torch.zeros(1)) == 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_scoring_without_grad_packs_the_weights_and_gives_the_same_logprobs(name, monkeypatch):
     """The reference's pass (no grad) runs the projections with packed weights (threshold
     lowered to 1: these models' weights are below the real one); a pass with grad never."""

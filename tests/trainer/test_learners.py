@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -213,6 +214,24 @@ def test_a_dead_learner_rank_ends_the_update_clearly(one_thread) -> None:
                          ADV[:, None] * batch.loss_mask, ADV > 0, [torch.arange(5)])  # fmt: skip
     finally:
         group.close()
+
+
+def test_a_rank_that_dies_before_joining_ends_the_start_at_once(one_thread, monkeypatch) -> None:
+    """Not after the process group's 30-minute timeout: rank 0 waits for each rank's
+    signal that it is joining, and a rank that exited first is named with its exit code."""
+    import learner_exits
+
+    monkeypatch.setattr(learners_module, "_learner_main", learner_exits.exit_before_joining)
+    cfg = load_config("grpo", ["kl.coef=0", "cluster.learners=3", "cluster.threads_per_learner=1"])
+    model = build_model("tiny", build_tokenizer(), seed=0)
+    opt, sched = make_optimizer(cfg, model.parameters())
+    started = time.monotonic()
+    with pytest.raises(
+        AnchorRLError, match=r"anchor-rl-learner-\d \(exit code 3\).*before joining"
+    ):
+        LearnerGroup(cfg, model, opt, sched)
+    assert time.monotonic() - started < 120
+    assert not torch.distributed.is_initialized()
 
 
 def test_what_learners_do_not_support_yet_is_refused() -> None:

@@ -243,6 +243,27 @@ def test_cli_trains_and_rejects_bad_input(parity, tiny, tmp_path) -> None:
     assert other.exit_code == 2 and "holds another run" in other.output
 
 
+def test_show_config_checks_the_task_and_shows_a_resumed_runs_overrides(
+    parity, tiny, tmp_path
+) -> None:
+    runner = CliRunner()
+    shown = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "steps=3", "--show-config"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["steps"] == 3
+    bad_task = ["train", "--preset", "grpo", "task=arithmetic", "task_args.levels=3"]
+    refused = runner.invoke(app, [*bad_task, "--show-config"])
+    assert refused.exit_code == 2 and "task_args.levels" in refused.output
+    out = tmp_path / "run"
+    trained = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "steps=1", "--out", str(out)])
+    assert trained.exit_code == 0, trained.output
+    resumed = runner.invoke(app, ["train", "--resume", str(out), "steps=4", "--show-config"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.output)["steps"] == 4  # the override, not the stored 1
+    assert json.loads((out / "config.json").read_text())["steps"] == 1  # nothing written
+    changed = runner.invoke(app, ["train", "--resume", str(out), "kl.coef=0", "--show-config"])
+    assert changed.exit_code == 2 and "cannot change on resume" in changed.output
+
+
 def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(
     parity, tiny, monkeypatch
 ) -> None:
