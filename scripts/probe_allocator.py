@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from anchor_rl.bench.throughput import emit
+
 WARMUP = 2
 
 
@@ -106,11 +108,7 @@ def main() -> None:
 
     result = {"threads": 1, "torch": torch.__version__, "steps": args.steps}
     result["specs"] = [measure(s, args.rounds, args.steps, args.max_new_tokens) for s in args.specs]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

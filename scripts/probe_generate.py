@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from anchor_rl.bench.throughput import grpo_step_call
+from anchor_rl.bench.throughput import emit, grpo_step_call
 from anchor_rl.models.padding import left_pad
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.engine import make_engine
@@ -137,11 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     decodes = tuple(args.decodes.split(","))
     results = [measure(s, args.device, args.dtype, args.repeats, decodes) for s in args.specs]
-    text = json.dumps({"torch": torch.__version__, "results": results}, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit({"torch": torch.__version__, "results": results}, args.out)
 
 
 if __name__ == "__main__":

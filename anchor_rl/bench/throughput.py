@@ -354,11 +354,16 @@ def probe_cli(doc: str, measure: Callable[[argparse.Namespace], dict[str, Any]])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    text = json.dumps({"threads": 1, "torch": torch.__version__, **measure(args)}, indent=2)
+    emit({"threads": 1, "torch": torch.__version__, **measure(args)}, args.out)
+
+
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    """Print a probe's ``result`` as JSON and, given ``out``, write it there too."""
+    text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 def hidden_size(size: str) -> int:

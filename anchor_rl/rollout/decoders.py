@@ -164,8 +164,8 @@ class StaticDecoder:
       W, D]`` with a boolean mask, the query heads of each key/value head folded into the
       query axis. On the CPU its fused kernel reads the cache once and keeps the softmax in
       float32, where a bfloat16 batched matmul of a decode step's shapes is slow: bfloat16
-      rollouts took 0.75x the ``matmul`` time (``tiny`` and ``small``, Intel Xeon); in
-      float32 1.04x, so float32 keeps ``matmul`` (``docs/results.md``).
+      rollouts took 0.75-0.85x the ``matmul`` time (``tiny`` and ``small``, Intel Xeon); in
+      float32 0.99-1.04x, no gain, so float32 keeps ``matmul`` (``docs/results.md``).
     - ``matmul``: two batched matmuls and a float32 softmax between them, keys stored
       transposed (``[B, H_kv, D, W]``, so the scores are a matmul on a plain column slice),
       values ``[B, H_kv, W, D]``; what CUDA runs (and captures in graphs), measured there.
