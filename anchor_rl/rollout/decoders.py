@@ -265,6 +265,11 @@ class StaticDecoder:
         self.rows = torch.arange(b, device=device)
         return logits
 
+    @property
+    def key_axis(self) -> int:
+        """The column axis of the key buffers: 2 (``[B, H_kv, W, D]``), 3 for ``matmul``."""
+        return 2 if self.sdpa else 3
+
     def _buffers(
         self, rows: int, width: int, device: torch.device
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -379,10 +384,7 @@ class StaticDecoder:
         pick = slice(None) if rows is None else rows
         keys, values = self._buffers(n, width, self.keep.device)
         for new, old in zip(keys, self.keys, strict=True):
-            if self.sdpa:
-                new[:, :, :written] = old[:, :, :written][pick]
-            else:
-                new[..., :written] = old[..., :written][pick]
+            new.narrow(self.key_axis, 0, written).copy_(old.narrow(self.key_axis, 0, written)[pick])
         for new, old in zip(values, self.values, strict=True):
             new[:, :, :written] = old[:, :, :written][pick]
         self.keys, self.values = keys, values
@@ -417,13 +419,10 @@ class StaticDecoder:
             width = values.shape[2]
             k_in = k.transpose(1, 2) if self.sdpa else k.permute(0, 2, 3, 1)
             if static:
-                keys.index_copy_(2 if self.sdpa else 3, start, k_in)
+                keys.index_copy_(self.key_axis, start, k_in)
                 values.index_copy_(2, start, v.transpose(1, 2))
-            elif self.sdpa:
-                keys[:, :, start : start + n] = k_in
-                values[:, :, start : start + n] = v.transpose(1, 2)
             else:
-                keys[..., start : start + n] = k_in
+                keys.narrow(self.key_axis, start, n).copy_(k_in)
                 values[:, :, start : start + n] = v.transpose(1, 2)
             q = q.transpose(1, 2).reshape(b, kv_heads, group * n, d)
             if self.sdpa:  # on column slices of the buffers (no copy of the cache)

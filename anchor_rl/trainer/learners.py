@@ -260,7 +260,7 @@ def _learner_main(
     table: dict[str, Any],
     model_config: Any,
     threads: int,
-    joining: Any = None,
+    joining: Any,
 ) -> None:
     """A learner rank: a replica of the policy and its optimiser, updated with rank 0
     (``joining``: an event set just before it joins the process group)."""
@@ -268,8 +268,7 @@ def _learner_main(
 
     torch.set_num_threads(threads)
     keep_freed_memory()
-    if joining is not None:
-        joining.set()
+    joining.set()
     dist.init_process_group(
         "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
     )
