@@ -45,6 +45,12 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
+def kept() -> bool:
+    """Whether this process set the thresholds (:func:`keep_freed_memory` ran and took
+    effect); reads only, never sets them."""
+    return bool(_applied)
+
+
 def _apply() -> bool:
     if os.environ.get(OFF, "") == "default" or not sys.platform.startswith("linux"):
         return False

@@ -512,7 +512,7 @@ def allocator_settings() -> dict[str, Any]:
     from anchor_rl import allocator
 
     names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-    return {"kept": bool(allocator._applied)} | {k: os.environ[k] for k in names if k in os.environ}
+    return {"kept": allocator.kept()} | {k: os.environ[k] for k in names if k in os.environ}
 
 
 def _train_anchor(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:

@@ -187,8 +187,8 @@ class PrefetchingEngine:
             entry = (key, _Done(batch), self.syncs - call["age"], len(requests))
             too_old = max_staleness is not None and call["age"] + i > max_staleness
             (stale if too_old else restored).append(entry)
-        self._pending = deque([*restored, *stale, *self._pending])
-        self._drop(stale)
+        self._pending = deque([*restored, *self._pending])
+        self._drop(stale)  # counted as discarded (never queued)
 
     def __getattr__(self, name: str) -> Any:  # workers, pids, restarts, ... of the inner engine
         return getattr(self.engine, name)

@@ -125,7 +125,6 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
     if (run_dir / CONFIG_FILE).exists():
         _check_reusable(cfg, run_dir)
     check_device(cfg.device)
-    keep_freed_memory()  # anchor_rl.allocator: no page faults for each step's tensors
     task = load_task(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     _seed_everything(cfg.seed)
@@ -180,7 +179,6 @@ def resume_run(
     if state.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {state.step}")
     check_device(cfg.device)
-    keep_freed_memory()
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     task = load_task(cfg)
 
@@ -194,8 +192,8 @@ def resume_run(
         checkpoint.load_components(path, run.components)
         prefetched = path / f"{PREFETCH_STATE}.pt"
         if isinstance(run.engine, PrefetchingEngine) and prefetched.is_file():
-            state = torch.load(prefetched, weights_only=True)
-            run.engine.load_state_dict(state, max_staleness=cfg.cluster.async_steps)
+            prefetches = torch.load(prefetched, weights_only=True)
+            run.engine.load_state_dict(prefetches, max_staleness=cfg.cluster.async_steps)
     return run
 
 
@@ -390,6 +388,7 @@ def _assemble(
     state: TrainState,
     resuming: bool = False,
 ) -> Run:
+    keep_freed_memory()  # anchor_rl.allocator: no page faults for each step's tensors
     optimizer, scheduler = make_optimizer(cfg, policy.parameters())
     setup = Setup(
         cfg=cfg,
