@@ -630,7 +630,7 @@ def _copied_plot(
 
 
 def _trl_section(results: Results, out: Path) -> list[Block]:
-    from anchor_rl.bench.trl_compare import FIGURES, figure_digits, partial_note
+    from anchor_rl.bench.trl_compare import FIGURES, figure_digits, partial_note, ratio_cells
 
     blocks: list[Block] = [("h2", "anchor-rl beside TRL")]
     if not results.trl:
@@ -659,15 +659,10 @@ def _trl_section(results: Results, out: Path) -> list[Block]:
             if ours is None or theirs is None:
                 continue
             digits = figure_digits(key)
-            rel = (
-                _fmt(ratio[key], 2) + "×"
-                if key in ratio
-                else _fmt(ratio["eval_final_diff"], 3) + " (difference)"
-                if key == "eval_final" and "eval_final_diff" in ratio
-                else ""
-            )
-            rows.append([label, _fmt(ours, digits), _fmt(theirs, digits), rel])
-        blocks.append(("table", (["figure", "anchor-rl", "TRL", "TRL / anchor-rl"], rows)))
+            rel, median = ratio_cells(ratio, key, times="×")
+            rows.append([label, _fmt(ours, digits), _fmt(theirs, digits), rel, median])
+        header = ["figure", "anchor-rl", "TRL", "TRL / anchor-rl", "median of seeds"]
+        blocks.append(("table", (header, rows)))
         blocks.append(
             (
                 "table",

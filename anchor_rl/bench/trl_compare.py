@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -883,6 +884,19 @@ def _cell(figure: dict[str, Any] | None, digits: int) -> str:
     return Interval(figure["mean"], figure["half_width"], figure["n"]).fmt(digits)
 
 
+def ratio_cells(ratio: dict[str, dict[str, Any]], key: str, times: str = "x") -> tuple[str, str]:
+    """The paired TRL / anchor-rl cell of figure ``key`` (mean ± half-width of the per-seed
+    ratios, ``times`` after it; for the final accuracy the difference) and the median of the
+    per-seed values (with three seeds, the middle one); empty strings where ``key`` has none."""
+    if key in ratio:
+        median = statistics.median(ratio[key]["values"])
+        return _cell(ratio[key], 2) + times, f"{median:.2f}{times}"
+    if key == "eval_final" and "eval_final_diff" in ratio:
+        diff = ratio["eval_final_diff"]
+        return _cell(diff, 3) + " (difference)", f"{statistics.median(diff['values']):+.3f}"
+    return "", ""
+
+
 def _decode_note(decode: str) -> str:
     """What the summary says of anchor-rl's decoder when it is not the default one (the
     differences table describes ``decode=auto``)."""
@@ -931,25 +945,23 @@ def markdown(payload: dict[str, Any]) -> str:
         + _decode_note(s.get("anchor_rl_decode", "auto")),
         "",
         *partial_note(payload),
-        "Mean ± half-width of the 95% Student-t interval over seeds; the last column pairs "
-        "the two runs of each seed (they ran back to back). Wall-clock figures were taken on "
-        "a shared machine; the ratio is the comparable number.",
+        "Mean ± half-width of the 95% Student-t interval over seeds; the last two columns "
+        "pair the two runs of each seed (they ran back to back): the mean of the per-seed "
+        "ratios and their median. Wall-clock figures were taken on a shared machine; the "
+        "ratio is the comparable number.",
         "",
-        "| figure | anchor-rl | TRL | TRL / anchor-rl |",
-        "| --- | ---: | ---: | ---: |",
+        "| figure | anchor-rl | TRL | TRL / anchor-rl | median of seeds |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for key, label in FIGURES.items():
         ours, theirs = summary["anchor-rl"].get(key), summary["trl"].get(key)
         if ours is None and theirs is None:
             continue
         digits = figure_digits(key)
-        if key in ratio:
-            rel = _cell(ratio[key], 2) + "x"
-        elif key == "eval_final" and "eval_final_diff" in ratio:
-            rel = _cell(ratio["eval_final_diff"], 3) + " (difference)"
-        else:
-            rel = ""
-        lines.append(f"| {label} | {_cell(ours, digits)} | {_cell(theirs, digits)} | {rel} |")
+        rel, median = ratio_cells(ratio, key)
+        lines.append(
+            f"| {label} | {_cell(ours, digits)} | {_cell(theirs, digits)} | {rel} | {median} |"
+        )
     lines += [
         "",
         "## Settings mapped to `GRPOConfig`",

@@ -189,6 +189,25 @@ def test_figures_and_ratios_by_hand() -> None:
     assert r["s_per_step"]["half_width"] == pytest.approx(12.7062 * 0.5, rel=1e-4)
 
 
+def test_ratio_cells_give_the_paired_mean_and_the_median_of_the_seeds() -> None:
+    from anchor_rl.bench.trl_compare import ratio_cells
+
+    r = {
+        "s_per_step": {"mean": 2.02, "half_width": 0.52, "n": 3, "values": [2.26, 1.88, 1.91]},
+        "eval_final_diff": {
+            "mean": -0.02,
+            "half_width": 0.02,
+            "n": 3,
+            "values": [-0.03, 0.01, -0.02],
+        },
+    }
+    # the median is the middle seed, not the mean: two seeds below 2x keep it below 2x
+    assert ratio_cells(r, "s_per_step") == ("2.02 ± 0.52x", "1.91x")
+    assert ratio_cells(r, "s_per_step", times="×")[1] == "1.91×"
+    assert ratio_cells(r, "eval_final") == ("-0.020 ± 0.020 (difference)", "-0.020")
+    assert ratio_cells(r, "rss_before_mb") == ("", "")  # a figure without a pairing
+
+
 @pytest.mark.slow
 def test_one_step_of_both_trainers(tmp_path) -> None:
     import trl
