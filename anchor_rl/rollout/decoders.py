@@ -148,9 +148,10 @@ def decoder_for(model: PreTrainedModel, mode: DecodeMode = "auto") -> Decoder:
     return HFDecoder(model)
 
 
-def _bias(attend: torch.Tensor) -> torch.Tensor:
-    """The additive attention mask of a boolean one: 0 where ``attend``, -inf elsewhere."""
-    zeros = torch.zeros(attend.shape, device=attend.device)
+def _bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of a boolean one, in ``dtype``: 0 where ``attend``, -inf
+    elsewhere."""
+    zeros = torch.zeros(attend.shape, device=attend.device, dtype=dtype)
     return zeros.masked_fill_(~attend, float("-inf"))
 
 
@@ -412,8 +413,9 @@ class StaticDecoder:
         # the query heads of a key/value head are folded into the query axis, [group * n]
         if self.sdpa:
             mask = attend.repeat(1, 1, group, 1) if group > 1 else attend
-        else:
-            bias = _bias(attend)
+        else:  # [B * H_kv, group * n, K]: added to every layer's scores by its baddbmm
+            bias = _bias(attend, hidden.dtype)[:, :, None].expand(b, kv_heads, group, n, end)
+            bias = bias.reshape(-1, group * n, end)
         for layer, keys, values in zip(self.passes, self.keys, self.values, strict=True):
             q, k, v = layer.project(hidden, cos, sin)  # [B, n, heads | kv, D]
             width = values.shape[2]
@@ -429,13 +431,14 @@ class StaticDecoder:
                 out = scaled_dot_product_attention(
                     q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=self.scaling
                 )
-            else:  # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
+            else:  # bias + scale * [B * H_kv, group * n, D] @ [B * H_kv, D, K], one operator
                 k_seen = keys.view(b * kv_heads, d, width)[..., :end]
                 v_seen = values.view(b * kv_heads, width, d)[:, :end]
-                scores = torch.bmm(q.reshape(b * kv_heads, group * n, d), k_seen)
-                scores = scores.view(b, heads, n, end).mul_(self.scaling).add_(bias)
+                scores = torch.baddbmm(
+                    bias, q.reshape(b * kv_heads, group * n, d), k_seen, alpha=self.scaling
+                )
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-                out = torch.bmm(probs.view(b * kv_heads, group * n, end), v_seen)
+                out = torch.bmm(probs, v_seen)
             out = out.view(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
             hidden = layer.finish(hidden, out)
         return hidden

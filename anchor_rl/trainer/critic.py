@@ -57,7 +57,7 @@ from anchor_rl.trainer.collect import generate, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.update import layout, loss_mask
+from anchor_rl.trainer.update import adamw, layout, loss_mask
 
 
 class ValueLearners(Protocol):
@@ -107,7 +107,7 @@ def configured(critic: Critic, cfg: TrainConfig) -> Critic:
 def critic_optimizer(cfg: TrainConfig, critic: Critic) -> torch.optim.Optimizer:
     """AdamW over the critic's parameters at ``critic.lr`` (betas and weight decay of ``optim``)."""
     oc = cfg.optim
-    return torch.optim.AdamW(
+    return adamw(
         critic.parameters(), lr=cfg.critic.lr, betas=oc.betas, weight_decay=oc.weight_decay
     )
 

@@ -14,6 +14,7 @@ from anchor_rl.models.llama import (
     ModuleLayer,
     decode_layers,
     frozen_unsupported,
+    rms_norm,
     rotary_tables,
     rotate,
 )
@@ -44,6 +45,23 @@ def test_rotate_is_the_models_rotary_embedding_bitwise(dtype):
     for x, expected in ((q, expected_q), (k, expected_k)):
         got = rotate(x.transpose(1, 2), cos[:, :, None], signed_sin[:, :, None]).transpose(1, 2)
         assert got.dtype == dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 128), (64, 1, 128), (3, 700, 128), (5, 256)])
+def test_rms_norm_is_the_models_norm_bitwise(dtype, shape):
+    """The one-operator normalisation gives the module's numbers, not merely close ones."""
+    gen = torch.Generator().manual_seed(2)
+    norm = MODELS["tiny"].model.layers[0].input_layernorm
+    norm = cast_copy(norm, dtype) if dtype != torch.float32 else norm
+    hidden_size = shape[-1]
+    if norm.weight.shape[0] != hidden_size:
+        norm = type(norm)(hidden_size, eps=norm.variance_epsilon).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden_size, generator=gen))
+    hidden = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    got = rms_norm(hidden, norm.weight.detach(), norm.variance_epsilon)
+    assert got.dtype == dtype and torch.equal(got, norm(hidden).detach())
 
 
 def _hidden(model, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
