@@ -301,22 +301,27 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
     cos_r, sin_r = cos_r[0, :, None], sin_r[0, :, None]  # [N, 1, D]
     scale = inner.layers[0].self_attn.scaling if len(inner.layers) else 1.0
 
-    def grid(x: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """The bucket's rows of ``x[N, heads, D]`` in its attention grid ``[R, heads, T, D]``."""
+    # each bucket's tokens, then the padding rows: one split (its backward one concatenation,
+    # where slicing each bucket off would zero-fill a whole [N, heads, D] gradient per bucket)
+    sizes = [bucket.stop - bucket.start for bucket in layout.buckets]
+    sizes.append(len(tokens) - sum(sizes))
+
+    def grid(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The bucket's tokens ``part[stop - start, heads, D]`` in its attention grid
+        ``[R, heads, T, D]``."""
         r, t = len(bucket.rows), bucket.width
-        part = x[bucket.start : bucket.stop]
-        cells = part.new_zeros(r * t, *x.shape[1:]).index_copy(0, bucket.cells, part)
-        return cells.view(r, t, *x.shape[1:]).transpose(1, 2)
+        cells = part.new_zeros(r * t, *part.shape[1:]).index_copy(0, bucket.cells, part)
+        return cells.view(r, t, *part.shape[1:]).transpose(1, 2)
 
     for layer in module_layers(inner, len(tokens)):  # packed weights when no grad is taken
         qp, kp, vp = (x.transpose(1, 2) for x in layer.project(prompts, cos_p, sin_p))
-        qr, kr, vr = layer.project(tokens, cos_r, sin_r)  # [N, heads | kv_heads, D]
+        qr, kr, vr = (x.split(sizes) for x in layer.project(tokens, cos_r, sin_r))
         prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
         response_out = []
-        for bucket, allowed in zip(layout.buckets, response_allowed, strict=True):
-            keys = torch.cat([kp[bucket.prompt_of], grid(kr, bucket)], 2)  # [R, kv, P + T, D]
-            values = torch.cat([vp[bucket.prompt_of], grid(vr, bucket)], 2)
-            out = _attend(grid(qr, bucket), keys, values, allowed, scale)  # [R, T, heads * D]
+        for i, (bucket, allowed) in enumerate(zip(layout.buckets, response_allowed, strict=True)):
+            keys = torch.cat([kp[bucket.prompt_of], grid(kr[i], bucket)], 2)  # [R, kv, P + T, D]
+            values = torch.cat([vp[bucket.prompt_of], grid(vr[i], bucket)], 2)
+            out = _attend(grid(qr[i], bucket), keys, values, allowed, scale)  # [R, T, heads * D]
             response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
         if extra:
             response_out.append(response_out[-1].new_zeros(extra, response_out[-1].shape[-1]))
