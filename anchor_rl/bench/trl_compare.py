@@ -235,7 +235,7 @@ def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
         "learning_rate": cfg.optim.lr,
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",  # anchor-rl's AdamW is fused too (update.adamw)
         "adam_beta1": cfg.optim.betas[0],
         "adam_beta2": cfg.optim.betas[1],
         "weight_decay": cfg.optim.weight_decay,

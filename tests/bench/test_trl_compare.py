@@ -60,7 +60,7 @@ def test_grpo_preset_maps_to_grpo_config_by_hand() -> None:
         "learning_rate": 3e-5,
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",
         "adam_beta1": 0.9,
         "adam_beta2": 0.999,
         "weight_decay": 0.0,
