@@ -413,9 +413,10 @@ class StaticDecoder:
         # the query heads of a key/value head are folded into the query axis, [group * n]
         if self.sdpa:
             mask = attend.repeat(1, 1, group, 1) if group > 1 else attend
-        else:  # [B * H_kv, group * n, K]: added to every layer's scores by its baddbmm
-            bias = _bias(attend, hidden.dtype)[:, :, None].expand(b, kv_heads, group, n, end)
-            bias = bias.reshape(-1, group * n, end)
+        else:
+            bias = _bias(attend, hidden.dtype)  # [B, 1, n, K]
+            if n == 1:  # a step: [B * H_kv, group, K], added inside each layer's product
+                bias = bias[:, :, None].expand(b, kv_heads, group, n, end).reshape(-1, group, end)
         for layer, keys, values in zip(self.passes, self.keys, self.values, strict=True):
             q, k, v = layer.project(hidden, cos, sin)  # [B, n, heads | kv, D]
             width = values.shape[2]
@@ -431,12 +432,15 @@ class StaticDecoder:
                 out = scaled_dot_product_attention(
                     q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=self.scaling
                 )
-            else:  # bias + scale * [B * H_kv, group * n, D] @ [B * H_kv, D, K], one operator
+            else:  # [B * H_kv, group * n, D] @ [B * H_kv, D, K] -> scores [B, H, n, K]
+                q = q.reshape(b * kv_heads, group * n, d)
                 k_seen = keys.view(b * kv_heads, d, width)[..., :end]
                 v_seen = values.view(b * kv_heads, width, d)[:, :end]
-                scores = torch.baddbmm(
-                    bias, q.reshape(b * kv_heads, group * n, d), k_seen, alpha=self.scaling
-                )
+                if n == 1:  # scale and mask in the product: one operator where three were
+                    scores = torch.baddbmm(bias, q, k_seen, alpha=self.scaling)
+                else:  # the prefill: its [n, K] mask broadcast over the heads, not copied
+                    scores = torch.bmm(q, k_seen).view(b, heads, n, end)
+                    scores = scores.mul_(self.scaling).add_(bias).view(b * kv_heads, -1, end)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
                 out = torch.bmm(probs, v_seen)
             out = out.view(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)

@@ -57,6 +57,7 @@ __all__ = [
     "HTTPEngine",
     "ServerError",
     "ServerInfo",
+    "ServerTimeoutError",
     "ServerUnreachableError",
     "TokenMismatchError",
     "base_url",
@@ -74,6 +75,12 @@ TurnResult = tuple[list[int], list[float], str | None]
 
 class ServerUnreachableError(AnchorRLError, ConnectionError):
     """The server could not be reached (connection refused, reset, timed out) after the retries."""
+
+
+class ServerTimeoutError(ServerUnreachableError):
+    """The server took the request but did not answer within the timeout. Not retried: it
+    may still be generating the answer, and the same request again would queue the same
+    work behind it (a generation longer than the timeout would time out on every attempt)."""
 
 
 class ServerError(RuntimeError):
@@ -141,8 +148,10 @@ class Client:
 
     url: the API base (``http://host:port/v1``; a bare ``http://host:port`` gets ``/v1``).
     timeout: seconds per HTTP request (connect, read and write each).
-    retries: further attempts after a connection error, a timeout or a 5xx answer
+    retries: further attempts after a connection error, a connect timeout or a 5xx answer
         (500/502/503/504), waiting ``backoff * 2**i`` seconds (at most 10) before attempt i + 1.
+        A request the server took but did not answer within ``timeout`` is not retried
+        (:class:`ServerTimeoutError`).
     api_key: sent as ``Authorization: Bearer``.
     Thread-safe (one ``httpx.Client`` connection pool).
     """
@@ -175,8 +184,9 @@ class Client:
         """``method`` ``url + path`` with a JSON ``body``; the decoded JSON answer.
 
         Raises :class:`ServerUnreachableError` (naming the URL, the timeout and the retries)
-        when every attempt failed to connect or timed out, :class:`ServerError` for an error
-        status (with the server's message) or a body that is not JSON.
+        when every attempt failed to connect, :class:`ServerTimeoutError` at once when the
+        server took the request and did not answer within the timeout, :class:`ServerError`
+        for an error status (with the server's message) or a body that is not JSON.
         """
         target = self.url + path
         failure = ""
@@ -185,7 +195,14 @@ class Client:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), 10.0))
             try:
                 response = self._http.request(method, target, json=body)
-            except httpx.TransportError as exc:  # connect/read errors and timeouts
+            except httpx.ReadTimeout as exc:
+                raise ServerTimeoutError(
+                    f"{method} {target} sent no answer within the timeout of {self.timeout:g} s "
+                    f"(ReadTimeout, attempt {attempt + 1}); not retried: the server may still be "
+                    "generating it. For long generations raise the timeout "
+                    "(rollout.engine_args.timeout, or the engine's timeout option)."
+                ) from exc
+            except httpx.TransportError as exc:  # connect and protocol errors, other timeouts
                 failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
             if response.status_code in RETRY_STATUS:

@@ -133,6 +133,9 @@ class Job:
     stop: tuple[str, ...]
     future: asyncio.Future[list[Turn]] | None = None
     cancelled: bool = False
+    revision: str | None = None
+    """The weights' revision that sampled the rows (set by :meth:`ModelServer.generate`):
+    what the answer reports, even if a reload lands before it is written."""
 
     @property
     def key(self) -> tuple[float, float, tuple[str, ...]]:
@@ -211,6 +214,8 @@ class ModelServer:
             )  # fmt: skip
         self.batches += 1
         self.rows += len(contexts)
+        for job in jobs:  # reloads run on this thread too: these are the weights that sampled
+            job.revision = self.revision
         out, at = [], 0
         for j in jobs:
             out.append(turns[at : at + len(j)])
@@ -724,31 +729,60 @@ def _usage(parsed: Parsed, turns: list[Turn]) -> dict[str, int]:
     }
 
 
-def completion_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> dict[str, Any]:
-    """The ``text_completion`` answer: one choice per row, in ``i * n + j`` order."""
+def completion_body(
+    server: ModelServer, parsed: Parsed, turns: list[Turn], revision: str | None = None
+) -> dict[str, Any]:
+    """The ``text_completion`` answer: one choice per row, in ``i * n + j`` order;
+    ``revision``: the weights that sampled it (default: the server's current ones)."""
     tok = server.tokenizer
     choices = []
     for index, (turn, seed) in enumerate(zip(turns, parsed.seeds, strict=True)):
         text = _text(tok, turn, parsed)
         logprobs = None
         if parsed.logprobs:
-            tokens = _tokens(tok, turn.tokens, parsed)
-            pieces = [tok.decode([i]) for i in turn.tokens]
-            offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
             logprobs = {
-                "tokens": tokens,
+                "tokens": _tokens(tok, turn.tokens, parsed),
                 "token_logprobs": list(turn.logprobs),
                 "top_logprobs": None,
-                "text_offset": offsets,
+                "text_offset": text_offsets(tok, turn.tokens, parsed.skip_special, len(text)),
             }
         choices.append(
             {"index": index, "text": text, "logprobs": logprobs, **_choice_common(turn, seed)}
         )
-    return _envelope(server, parsed, turns, "cmpl", "text_completion", choices)
+    return _envelope(server, parsed, turns, "cmpl", "text_completion", choices, revision)
 
 
-def chat_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> dict[str, Any]:
-    """The ``chat.completion`` answer: one assistant message per choice."""
+OFFSET_WINDOW = 6
+"""Tokens of context :func:`text_offsets` decodes each token with: a character split over
+several byte tokens (up to four in UTF-8) or a word-start space that depends on the token
+before comes out right, as in an incremental detokenizer."""
+
+
+def text_offsets(
+    tok: PreTrainedTokenizerBase, ids: list[int], skip_special: bool, length: int
+) -> list[int]:
+    """The character offset in the choice's text at which each token's text starts.
+
+    Each token adds what decoding it after the :data:`OFFSET_WINDOW` tokens before it adds
+    (the difference of two decodes of the same window), so a token's text is not taken out
+    of context (``decode([id])`` alone mangles byte-level and word-piece tokens), in time
+    linear in the tokens. The offsets never decrease (the bytes of one character may first
+    decode to more replacement characters than the character they complete) and stop at the
+    text's length (tokens after a stop string cut from it)."""
+    offsets, at = [], 0
+    for k in range(len(ids)):
+        offsets.append(min(max(at, offsets[-1] if offsets else 0), length))
+        window = ids[max(0, k - OFFSET_WINDOW) : k + 1]
+        before = tok.decode(window[:-1], skip_special_tokens=skip_special)
+        at += len(tok.decode(window, skip_special_tokens=skip_special)) - len(before)
+    return offsets
+
+
+def chat_body(
+    server: ModelServer, parsed: Parsed, turns: list[Turn], revision: str | None = None
+) -> dict[str, Any]:
+    """The ``chat.completion`` answer: one assistant message per choice (``revision`` as
+    for :func:`completion_body`)."""
     tok = server.tokenizer
     choices = []
     for index, (turn, seed) in enumerate(zip(turns, parsed.seeds, strict=True)):
@@ -764,7 +798,7 @@ def chat_body(server: ModelServer, parsed: Parsed, turns: list[Turn]) -> dict[st
         choices.append(
             {"index": index, "message": message, "logprobs": logprobs, **_choice_common(turn, seed)}
         )
-    return _envelope(server, parsed, turns, "chatcmpl", "chat.completion", choices)
+    return _envelope(server, parsed, turns, "chatcmpl", "chat.completion", choices, revision)
 
 
 def _envelope(
@@ -774,14 +808,16 @@ def _envelope(
     prefix: str,
     kind: str,
     choices: list[dict[str, Any]],
+    revision: str | None,
 ) -> dict[str, Any]:
-    """What every OpenAI answer wraps its choices in: id, object, time, model, usage."""
+    """What every OpenAI answer wraps its choices in: id, object, time, model, usage, and
+    as ``system_fingerprint`` the revision of the weights that sampled it."""
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": server.name,
-        "system_fingerprint": server.revision,
+        "system_fingerprint": revision or server.revision,
         "choices": choices,
         "usage": _usage(parsed, turns),
     }
@@ -896,18 +932,20 @@ def build_app(
     @_endpoint
     async def completions(request: Request) -> Response:
         parsed = parse_completion(await _json(request), server)
-        turns = await _sample(request, batcher, parsed.job())
+        job = parsed.job()
+        turns = await _sample(request, batcher, job)
         if turns is None:
             return Response(status_code=499)
-        return JSONResponse(completion_body(server, parsed, turns))
+        return JSONResponse(completion_body(server, parsed, turns, job.revision))
 
     @_endpoint
     async def chat(request: Request) -> Response:
         parsed = parse_chat(await _json(request), server)
-        turns = await _sample(request, batcher, parsed.job())
+        job = parsed.job()
+        turns = await _sample(request, batcher, job)
         if turns is None:
             return Response(status_code=499)
-        return JSONResponse(chat_body(server, parsed, turns))
+        return JSONResponse(chat_body(server, parsed, turns, job.revision))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -51,6 +51,11 @@ def resolve_reward_function(name: str) -> RewardFunction:
     return fn
 
 
+ANSWER_COLUMN = "gold and aliases"
+"""What a reward function's ``answer`` column holds: the record's answer, or the list of it
+and its aliases where the record has any (``meta["aliases"]``)."""
+
+
 class RewardedTask(Task):
     """``task`` with its reward replaced by a weighted sum (see the module docstring).
 
@@ -112,10 +117,14 @@ class RewardedTask(Task):
         return self.task.stop
 
     def reward_spec(self) -> dict[str, Any]:
+        """The functions, their weights and the task's, and what the functions' ``answer``
+        column holds (:data:`ANSWER_COLUMN`): anchors presampled when it held the gold alone
+        have another key, so they are sampled again rather than reused under this reward."""
         return {
             "functions": self.functions,
             "weights": self.weights,
             "task_weight": self.task_weight,
+            "answer": ANSWER_COLUMN,
         }
 
     def failures(self) -> dict[str, int]:

@@ -238,7 +238,11 @@ def test_every_verifier_takes_under_a_second_on_a_megabyte(cases, tasks, name):
     assert len(text) >= MB - 100
     slow = {}
     for case in cases:
+        # a call over the limit is timed twice more and judged by its fastest: quadratic or
+        # backtracking code is slow every time, a preempted or contended call is not
         seconds = run_case(case, text)
+        if seconds > LIMIT_S:
+            seconds = min(seconds, *(run_case(case, text) for _ in range(2)))
         if seconds > LIMIT_S:
             slow[case.name] = round(seconds, 2)
     assert not slow, f"over {LIMIT_S} s on {name!r}: {slow}"

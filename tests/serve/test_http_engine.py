@@ -20,6 +20,7 @@ from anchor_rl.rollout.engine import ENGINES, group_requests, make_engine
 from anchor_rl.rollout.http import (
     HTTPEngine,
     ServerError,
+    ServerTimeoutError,
     ServerUnreachableError,
     connect,
 )
@@ -137,12 +138,20 @@ def test_5xx_answers_are_retried_with_back_off(tokenizer) -> None:
             )
 
 
-def test_a_request_slower_than_the_timeout_fails_naming_it(tokenizer) -> None:
+def test_a_request_slower_than_the_timeout_fails_at_once_naming_it(tokenizer) -> None:
+    """A read timeout is not retried: the server is still at work on the first request, and
+    the same request again would only queue behind it (and time out again)."""
     stub = Flaky(delay=0.6)
     with ServerThread(stub.app) as thread:
-        engine = HTTPEngine(tokenizer, thread.url, "m", batched=False, retries=0, timeout=0.15)
-        with pytest.raises(ServerUnreachableError, match=r"ReadTimeout.*timeout 0\.15 s"):
+        engine = HTTPEngine(
+            tokenizer, thread.url, "m", batched=False, retries=3, backoff=0.01, timeout=0.15
+        )
+        with pytest.raises(
+            ServerTimeoutError, match=r"timeout of 0\.15 s \(ReadTimeout, attempt 1\)"
+        ):
             engine.rollout(group_requests(["q"], [0], 1, "x"), SamplingParams(max_new_tokens=1))
+        assert stub.calls == 1
+    assert issubclass(ServerTimeoutError, ServerUnreachableError)  # callers catching it still do
 
 
 def test_the_http_engine_is_registered_with_its_options() -> None:

@@ -338,3 +338,61 @@ def test_weights_reload_from_a_safetensors_file_or_a_model_directory(
             post(thread.url, "/v1/completions", body).json()["choices"][0]["token_ids"]
             == before["token_ids"]
         )
+
+
+def test_an_answer_names_the_weights_that_sampled_it_even_after_a_reload(
+    tiny_dir, tmp_path, one_thread
+) -> None:
+    """``system_fingerprint`` is the revision stamped on the job when its batch ran, not the
+    server's revision when the answer is written (a reload may land in between)."""
+    from anchor_rl.serve.app import completion_body, parse_completion
+
+    model, tokenizer = load_policy(tiny_dir)
+    server = ModelServer(model, tokenizer, "tiny")
+    parsed = parse_completion({"prompt": "ab", "max_tokens": 3, "seed": 4}, server)
+    job = parsed.job()
+    (turns,) = server.generate([job])
+    sampled_by = server.revision
+    assert job.revision == sampled_by
+    path = tmp_path / "same.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, str(path))
+    server.reload(str(path))  # what a POST /v1/weights between the batch and the answer does
+    assert server.revision != sampled_by
+    assert completion_body(server, parsed, turns, job.revision)["system_fingerprint"] == sampled_by
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer trained here: characters it never saw take one token per
+    UTF-8 byte, and a byte alone decodes to a replacement character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    raw.train_from_iterator(["hello world", "the cafe is open", "a naive test"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+@pytest.mark.parametrize("which", ["built-in", "byte-level"])
+def test_text_offsets_are_where_each_token_starts_in_the_text(which) -> None:
+    from anchor_rl.serve.app import text_offsets
+
+    tok = build_tokenizer() if which == "built-in" else byte_level_tokenizer()
+    text = "hello café — the € test, naïve world" if which == "byte-level" else "12+7=19 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    offsets = text_offsets(tok, ids, skip_special=True, length=len(text))
+    assert len(offsets) == len(ids) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for k in range(len(ids)):
+        prefix = tok.decode(ids[:k])
+        if "\ufffd" not in prefix:  # k falls between whole characters
+            assert offsets[k] == len(prefix), (k, prefix)
+    pieces = [len(tok.decode([i])) for i in ids]
+    if which == "byte-level":  # decoding each token alone would have drifted off the text
+        assert sum(pieces) != len(text)
+    # a stop string cut off the text: the tokens after the cut start at its end
+    assert text_offsets(tok, ids, skip_special=True, length=3)[-1] == 3

@@ -27,7 +27,8 @@ def test_the_reward_is_the_weighted_sum_and_correct_stays_the_verifiers(parity) 
     assert task.correct("0", record) and not task.correct("1<answer>x</answer>", record)
     assert task.records("train") == parity.records("train") and task.stop == parity.stop
     assert task.reward_spec() == {
-        "functions": ["reward_fns:quarter", "format"], "weights": [2.0, 1.0], "task_weight": 0.5
+        "functions": ["reward_fns:quarter", "format"], "weights": [2.0, 1.0], "task_weight": 0.5,
+        "answer": "gold and aliases",  # what the functions' answer column holds, in the key
     }  # fmt: skip
     assert with_rewards(parity, [], None, 1.0) is parity and parity.reward_spec() is None
 
