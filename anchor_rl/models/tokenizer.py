@@ -15,7 +15,7 @@ usually does render the system message.
 from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from anchor_rl.tools.parsing import split_tool_output
 
@@ -73,6 +73,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=1024,
     )
+
+
+def id_count(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """How many token ids ``model`` reads: its embedding rows, often padded past the
+    tokenizer's length (to a multiple of 64 or 128), or the tokenizer's length when that is
+    larger. A sampler draws from every row's logit, so an id past the tokenizer (it decodes to
+    nothing) can come out of any engine, rarely, and a later turn reads it back."""
+    return max(model.get_input_embeddings().num_embeddings, len(tokenizer))
 
 
 def encode_prompt(

@@ -82,7 +82,8 @@ def group_requests(
 
 @runtime_checkable
 class Engine(Protocol):
-    """What samples rollouts for the trainer, presampling, evaluation and teachers."""
+    """What samples rollouts for the trainer, presampling, evaluation and teachers. An engine
+    holding processes or connections may also have ``close()`` (:func:`close_engine`)."""
 
     def rollout(
         self,
@@ -109,6 +110,14 @@ ENGINES: Registry[EngineFactory] = Registry("engine")
 given the live model it samples for (the learner's policy, or a reference to presample;
 an engine in another process copies its config and weights) and the engine's own options
 (the config's ``rollout.engine_args``)."""
+
+
+def close_engine(engine: object) -> None:
+    """Call ``engine.close()`` where the engine has one (the protocol does not require it:
+    an in-process engine holds nothing to release; a Ray or HTTP engine does)."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
 
 
 def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:

@@ -45,7 +45,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError
-from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.models.tokenizer import encode_prompt, id_count
 from anchor_rl.rollout.agent import Response
 from anchor_rl.rollout.engine import Engine, Request, pack, register_engine, request_seed
 from anchor_rl.rollout.sampling import EOS, StopSet
@@ -132,6 +132,8 @@ class ServerInfo:
     tokenizer_fingerprint: ``fingerprint_tokenizer`` of the served tokenizer, else None.
     max_batch: the most rows the server samples together (``anchor-rl serve`` only).
     max_model_len: its context limit in tokens, when reported.
+    vocab_size: the token ids its model reads (``anchor-rl serve`` only: its embedding rows,
+        which may exceed the tokenizer's length).
     """
 
     model: str
@@ -140,6 +142,7 @@ class ServerInfo:
     tokenizer_fingerprint: str | None = None
     max_batch: int | None = None
     max_model_len: int | None = None
+    vocab_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -178,7 +181,11 @@ class Client:
         self._http = httpx.Client(
             timeout=timeout, headers=headers, limits=httpx.Limits(max_connections=256)
         )
-        weakref.finalize(self, self._http.close)
+        self._closer = weakref.finalize(self, self._http.close)
+
+    def close(self) -> None:
+        """Close the connections (idempotent; also done when the client is collected)."""
+        self._closer()
 
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         """``method`` ``url + path`` with a JSON ``body``; the decoded JSON answer.
@@ -186,8 +193,11 @@ class Client:
         Raises :class:`ServerUnreachableError` (naming the URL, the timeout and the retries)
         when every attempt failed to connect, :class:`ServerTimeoutError` at once when the
         server took the request and did not answer within the timeout, :class:`ServerError`
-        for an error status (with the server's message) or a body that is not JSON.
+        for an error status (with the server's message) or a body that is not JSON, and a
+        ``RuntimeError`` once the client is closed.
         """
+        if not self._closer.alive:
+            raise RuntimeError(f"the client of {self.url} is closed (its engine's run ended)")
         target = self.url + path
         failure = ""
         for attempt in range(self.retries + 1):
@@ -258,6 +268,7 @@ class Client:
             tokenizer_fingerprint=(ext or {}).get("tokenizer_fingerprint"),
             max_batch=(ext or {}).get("max_batch"),
             max_model_len=card.get("max_model_len"),
+            vocab_size=(ext or {}).get("vocab_size"),
             raw=card,
         )
 
@@ -316,6 +327,10 @@ class HTTPEngine:
         another tokenizer fails here rather than training on wrong ids).
     weights_dir: where :meth:`sync_weights` writes its safetensors file (a directory the
         server can read; default: a fresh temporary directory, removed with the engine).
+    vocab_size: the token ids a response may hold: the policy's embedding rows (the ``http``
+        factory passes them; a model's embedding is often padded past its tokenizer, and a
+        sampler may draw those ids); None: what ``anchor-rl serve`` reports, else the
+        tokenizer's length. A larger id is a :class:`TokenMismatchError`.
 
     Shapes: ``rollout`` returns the usual ``RolloutBatch`` (B requests, T the longest response).
     """
@@ -336,6 +351,7 @@ class HTTPEngine:
         extra_body: Mapping[str, Any] | None = None,
         check_text: bool = True,
         weights_dir: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
@@ -352,6 +368,8 @@ class HTTPEngine:
         self.concurrency, self.check_text = concurrency, check_text
         self.extra_body = dict(extra_body or {})
         self._weights_dir = weights_dir
+        self._vocab_size = vocab_size
+        self._remove_weights: weakref.finalize | None = None  # a temporary folder's removal
         self._info: ServerInfo | None = None
         self._lock = threading.Lock()
         self._revision: str | None = None  # the server revision our last sync_weights made
@@ -384,6 +402,12 @@ class HTTPEngine:
         if self._max_batch is not None:
             return self._max_batch
         return (self.info().max_batch if self.batched else None) or 256
+
+    @property
+    def vocab_size(self) -> int:
+        """The token ids a response may hold (see the class docstring)."""
+        size = self._vocab_size or (self.info().vocab_size if self.batched else None)
+        return max(size or 0, len(self.tokenizer))
 
     # -- Engine ---------------------------------------------------------------------------
 
@@ -432,12 +456,21 @@ class HTTPEngine:
         self._post_weights(path)
         self.syncs += 1
 
+    def close(self) -> None:
+        """Close the connections and remove the temporary weights folder this engine made,
+        if any (idempotent; both also happen when the engine is collected). The server keeps
+        running, with the weights it loaded; a request after this fails."""
+        self.client.close()
+        if self._remove_weights is not None:
+            self._remove_weights()
+            self._remove_weights = self._weights_dir = None
+
     # -- weights --------------------------------------------------------------------------
 
     def _weights_path(self) -> Path:
         if self._weights_dir is None:
             folder = tempfile.mkdtemp(prefix="anchor-rl-weights-")
-            weakref.finalize(self, shutil.rmtree, folder, True)
+            self._remove_weights = weakref.finalize(self, shutil.rmtree, folder, True)
             self._weights_dir = folder
         Path(self._weights_dir).mkdir(parents=True, exist_ok=True)
         return (Path(self._weights_dir) / "weights.safetensors").resolve()
@@ -589,9 +622,10 @@ class HTTPEngine:
             ids = [int(t.removeprefix("token_id:")) for t in tokens]
         except ValueError as exc:
             raise ServerError(f"{self.url} returned a malformed token {exc}") from exc
-        if any(not 0 <= i < len(tok) for i in ids):
-            bad = next(i for i in ids if not 0 <= i < len(tok))
-            detail = f"token id {bad} is outside the client vocabulary of {len(tok)} tokens"
+        vocab = self.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            bad = next(i for i in ids if not 0 <= i < vocab)
+            detail = f"token id {bad} is outside the client vocabulary of {vocab} token ids"
             raise TokenMismatchError(
                 f"the server {self.url} (model {self.model!r}): {detail}", detail
             )
@@ -713,6 +747,7 @@ def _http_engine(
     engine = HTTPEngine(
         tokenizer, url, model, timeout=timeout, retries=retries, api_key=api_key,
         batched=batched, max_batch=max_batch, concurrency=concurrency, weights_dir=weights_dir,
+        vocab_size=id_count(policy, tokenizer),
     )  # fmt: skip
     if sync_on_start:
         engine.sync_weights(policy.state_dict())

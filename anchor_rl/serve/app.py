@@ -42,6 +42,7 @@ from starlette.routing import Route
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.anchors.keys import fingerprint_model, fingerprint_tokenizer
+from anchor_rl.models.tokenizer import id_count
 from anchor_rl.rollout.engine import request_seed
 from anchor_rl.rollout.sampling import EOS, StopSet, Turn, eos_ids, generate_turn
 
@@ -174,6 +175,7 @@ class ModelServer:
             max_batch,
         )
         self.limit: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.vocab = id_count(model, tokenizer)  # the ids a prompt may hold
         self.eos = eos_ids(model, tokenizer)
         self.revision = uuid.uuid4().hex
         self.weights_path: str | None = None
@@ -429,10 +431,11 @@ def _ids(value: list[Any], vocab: int, name: str) -> list[int]:
     return list(value)
 
 
-def _prompts(value: Any, tokenizer: PreTrainedTokenizerBase, add_special: bool) -> list[list[int]]:
+def _prompts(
+    value: Any, tokenizer: PreTrainedTokenizerBase, add_special: bool, vocab: int
+) -> list[list[int]]:
     """A completions ``prompt``: a string, a list of strings, a list of token ids or a list of
-    lists of token ids."""
-    vocab = len(tokenizer)
+    lists of token ids (each below ``vocab``, the model's :func:`id_count`)."""
 
     def text(s: str) -> list[int]:
         if not s:
@@ -616,7 +619,7 @@ def parse_completion(body: Any, server: ModelServer) -> Parsed:
     if "prompt" not in body:
         raise BadRequest("`prompt` is required", "prompt")
     add_special = _bool(body, "add_special_tokens", True)
-    prompts = _prompts(body["prompt"], server.tokenizer, add_special)
+    prompts = _prompts(body["prompt"], server.tokenizer, add_special, server.vocab)
     value = body.get("max_tokens")
     if isinstance(value, list):
         if len(value) != len(prompts) or not all(
@@ -907,6 +910,7 @@ def build_app(
                 "tokenizer_fingerprint": server.tokenizer_fingerprint,
                 "revision": server.revision,
                 "max_batch": batcher.max_batch,
+                "vocab_size": server.vocab,
                 "batches": server.batches,
                 "rows": server.rows,
             },

@@ -75,10 +75,12 @@ def train(
             )
         resume_overrides = dict(parse_override(o) for o in overrides)
         from anchor_rl.trainer.loop import train as run_loop
-        from anchor_rl.trainer.run import load_task, resume_run, resumed_config
+        from anchor_rl.trainer.run import load_task, resume_point, resume_run, resumed_config
 
-        if show_config:  # what the resumed run would train with, its task checked
+        if show_config:  # what the resumed run would train with, checked as resume checks it
             cfg = resumed_config(resume, resume_overrides)
+            # the checkpoint checked as resume checks it; not the device (shown elsewhere)
+            resume_point(resume, cfg, from_checkpoint)
             load_task(cfg)
             typer.echo(cfg.model_dump_json(indent=2))
             return

@@ -150,6 +150,10 @@ class Component:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def close(self) -> None:
+        """Release what the component started for itself (an engine of its own); the run
+        calls it once when it ends (:meth:`~anchor_rl.trainer.run.Run.close`)."""
+
     def counters(self) -> dict[str, float]:
         """Cumulative counters logged every step; ``rollouts/*`` entries add to
         ``rollouts/total``."""

@@ -64,7 +64,7 @@ from anchor_rl.anchors.teachers import (
 )
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.sft import cache_root
-from anchor_rl.rollout.engine import make_engine
+from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
@@ -511,6 +511,10 @@ class PVPO(Component):
         self.presample_rollouts = int(state["presample_rollouts"])
         self.refresh_rollouts = int(state["refresh_rollouts"])
         self._use(state["anchor_key"])
+
+    def close(self) -> None:
+        """Close the reference's presampling engine (its own, built by :func:`presample_set`)."""
+        close_engine(getattr(self.set.sampler, "engine", None))
 
     def counters(self) -> dict[str, float]:
         return {

@@ -29,7 +29,7 @@ from anchor_rl.algos.registry import get_estimator
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
-from anchor_rl.rollout.engine import Engine, make_engine
+from anchor_rl.rollout.engine import Engine, close_engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.spec import load_spec
 from anchor_rl.rollout.types import SamplingParams
@@ -92,12 +92,20 @@ class Run:
         return self.learners
 
     def close(self) -> None:
-        """Stop the learner ranks, if any, and drop a prefetched rollout no step will use."""
+        """End the run's use of other processes: drop a prefetched rollout no step will use,
+        stop the learner ranks, if any, and close the engines the run and its components built
+        (:func:`~anchor_rl.rollout.engine.close_engine`: a Ray engine's workers go back to the
+        cluster, an HTTP engine's connections and weight files go). Idempotent;
+        :func:`~anchor_rl.trainer.loop.train` calls it when it ends, so a run's engine samples
+        nothing after its training."""
         if isinstance(self.engine, PrefetchingEngine):
             self.engine.discard()
         if self.learners is not None:
             self.learners.close()
             self.learners = None
+        for component in self.components.values():
+            component.close()
+        close_engine(self.engine)
 
     def save(self) -> Path:
         """Checkpoint the current step (sharded learners first consolidate their optimiser
@@ -171,13 +179,11 @@ def resume_run(
     """
     run_dir = Path(run_dir)
     cfg = resumed_config(run_dir, overrides)
-    if not checkpoint.list_checkpoints(run_dir):  # stopped before its first checkpoint
+    found = resume_point(run_dir, cfg, from_checkpoint)
+    if found is None:  # stopped before its first checkpoint
         (run_dir / CONFIG_FILE).unlink()
         return start_run(cfg, run_dir)
-    path = checkpoint.find_checkpoint(run_dir, from_checkpoint)
-    state = checkpoint.load_train_state(path)
-    if state.step > cfg.steps:
-        raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {state.step}")
+    path, state = found
     check_device(cfg.device)
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     task = load_task(cfg)
@@ -195,6 +201,23 @@ def resume_run(
             prefetches = torch.load(prefetched, weights_only=True)
             run.engine.load_state_dict(prefetches, max_staleness=cfg.cluster.async_steps)
     return run
+
+
+def resume_point(
+    run_dir: Path, cfg: TrainConfig, from_checkpoint: str | None = None
+) -> tuple[Path, TrainState] | None:
+    """The checkpoint a resumed run with ``cfg`` continues from and its training state (the
+    newest, or ``from_checkpoint``), checked as :func:`resume_run` checks it before loading
+    anything: it exists, is of this version's layout, and ``cfg.steps`` is not below its
+    step (ConfigError). None when the run stopped before its first checkpoint (it starts
+    again from step 0; ``from_checkpoint`` is then unused)."""
+    if not checkpoint.list_checkpoints(run_dir):
+        return None
+    path = checkpoint.find_checkpoint(run_dir, from_checkpoint)
+    state = checkpoint.load_train_state(path)
+    if state.step > cfg.steps:
+        raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {state.step}")
+    return path, state
 
 
 def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) -> TrainConfig:

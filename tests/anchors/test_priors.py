@@ -71,6 +71,18 @@ def test_history_beta_posterior_with_forgetting_hand_numbers():
     assert prior.predict(["p"]).item() == pytest.approx(1.375 / 4.5)
 
 
+def test_history_rollouts_of_the_same_step_in_two_updates_equal_one_update():
+    """``advance=False`` adds a batch to the step the last update began: two batches of one
+    step, learned apart, leave the state one update with both would."""
+    split, whole = HistoryPrior(gamma=0.5), HistoryPrior(gamma=0.5)
+    for prior in (split, whole):
+        prior.update(["p"], [t(1, 0)])
+    split.update(["p", "q"], [t(1, 1), t(0)])
+    split.update(["p"], [t(0, 1)], advance=False)
+    whole.update(["p", "q", "p"], [t(1, 1), t(0), t(0, 1)])
+    assert split.state_dict() == whole.state_dict() and split.step == 2
+
+
 def test_history_on_anchor_base_in_pm1_units():
     base = AnchorPrior({"a": 0.6}, reward_range=(-1.0, 1.0))  # 0.6 -> 0.8 normalised
     prior = HistoryPrior(base=base, strength=5.0, gamma=1.0, reward_range=(-1.0, 1.0))

@@ -82,6 +82,7 @@ def test_a_seeded_grpo_run_is_the_same_on_two_ray_workers(
             assert torch.equal(value, remote.policy.state_dict()[key]), key
         assert engine.syncs == 1 + 3  # the factory's push, then one after every update
         assert engine.restarts == 0
+        assert engine.workers == 0  # the run closed its engine when it ended
     finally:
         engine.close()
 
@@ -117,6 +118,8 @@ def test_pvpo_presampling_on_two_workers_stores_the_single_process_rows(
         local_set, remote_set = local.components["pvpo"].set, remote.components["pvpo"].set
         assert remote_set.key.digest == local_set.key.digest
         assert remote_set.result.rollouts == local_set.result.rollouts == 8 * 2
+        remote.close()  # the run's engine and the component's presampling engine
+        assert remote.engine.workers == presampler.workers == 0
     finally:
         remote.engine.close()
         presampler.close()

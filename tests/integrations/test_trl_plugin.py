@@ -26,6 +26,7 @@ from anchor_rl.algos import advantages as algos
 from anchor_rl.algos import v05 as v05_algos
 from anchor_rl.anchors.keys import task_identity
 from anchor_rl.anchors.presample import presample_key, task_params
+from anchor_rl.anchors.priors import HistoryPrior
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
 from anchor_rl.errors import AnchorRLError, ConfigError
 from anchor_rl.integrations.trl import (
@@ -334,6 +335,61 @@ def test_v05_fuses_each_group_with_its_prior(tmp_path, tokenizer, task, model, o
     ((prior, counts),) = restored
     assert torch.equal(prior, trainer.prior.predict(everything))
     assert counts == trainer.rollout_counts()
+
+
+CLOCKS = {
+    # one generation batch (2 prompts) trains 4 optimizer steps: 2 iterations x 2 slices,
+    # as anchor-rl's optim.epochs = 2, optim.mini_batches = 2 (one step of its clock)
+    "reused": ({"num_iterations": 2, "steps_per_generation": 2}, 8, 2, 2),
+    # one optimizer step spans 2 generation batches (1 prompt each) sampled from the same
+    # weights, each used twice: one step of anchor-rl's clock, not two
+    "accumulated": (
+        {"num_iterations": 2, "gradient_accumulation_steps": 4, "steps_per_generation": 1},
+        2,
+        4,
+        2,
+    ),
+}
+"""setting -> (GRPOConfig changes, optimizer steps, generation batches, steps of the clock)."""
+
+
+@pytest.mark.parametrize("setting", list(CLOCKS))
+def test_v05_history_clock_counts_anchor_rl_steps_not_optimizer_steps_or_batches(
+    setting, tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    changes, optimizer_steps, generations, clock = CLOCKS[setting]
+    gamma, strength = 0.5, 2.0
+    args = grpo_args(tmp_path, per_device_train_batch_size=K, max_steps=optimizer_steps, **changes)
+    trainer = V05GRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, task=task, progress=False,
+        v05={"prior": "history", "history_gamma": gamma, "history_strength": strength},
+    )  # fmt: skip
+    versions: list[int] = []  # the optimizer steps taken when each generation batch was sampled
+    generate = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        versions.append(trainer.state.global_step)
+        return generate(inputs)
+
+    trainer._generate_and_score_completions = spy
+    batches = record(trainer)
+    trainer.train()
+    assert trainer.state.global_step == optimizer_steps
+    assert len(batches) == len(versions) == generations
+    assert trainer.prior.step == clock == len(set(versions))
+    # The prior is anchor-rl's after one update per step with all of the step's rollouts: a
+    # step's batches share one clock value, and evidence ages by gamma per step.
+    expected = HistoryPrior(None, strength, gamma)
+    for version in dict.fromkeys(versions):
+        prompts: list[str] = []
+        groups: list[torch.Tensor] = []
+        for (inputs, output, _), seen in zip(batches, versions, strict=True):
+            if seen == version:
+                ids = [row["prompt_id"] for row in inputs]
+                prompts += ids[::K]
+                groups += list(task_rewards(output, ids, task, tokenizer).view(-1, K))
+        expected.update(prompts, groups)
+    assert trainer.prior.state_dict() == expected.state_dict()
 
 
 def test_settings_that_cannot_work_are_refused_naming_the_field(

@@ -5,6 +5,7 @@ set-up of the method state (presampling and group sampling through anchor-rl's c
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import json
 import os
@@ -20,7 +21,7 @@ from PIL import Image
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 
 from anchor_rl.algos.losses import policy_loss
-from anchor_rl.anchors.keys import AnchorKey
+from anchor_rl.anchors.keys import AnchorKey, canonical_json
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.integrations.verl import TRAINER
 from anchor_rl.integrations.verl.config import (
@@ -30,7 +31,7 @@ from anchor_rl.integrations.verl.config import (
     VAPOSection,
     check_verl_config,
 )
-from anchor_rl.integrations.verl.data import dataset_records, prompt_key
+from anchor_rl.integrations.verl.data import dataset_records, plain, row_key
 from anchor_rl.integrations.verl.estimators import ppo_policy_loss
 from anchor_rl.integrations.verl.trainer import prepare_method
 
@@ -199,6 +200,22 @@ def test_combinations_that_cannot_mean_what_they_say_are_refused(method, extra, 
         check_verl_config(cfg, MethodConfig.from_verl(cfg))
 
 
+@pytest.mark.parametrize("budget", ["adaptive", "fixed"])
+def test_v05_refuses_more_first_rollouts_than_k_max_with_either_budget(budget) -> None:
+    """k_max caps a prompt's rollouts, top-ups included; rollout.n (k_init) above it breaks the
+    cap before any top-up, so a fixed budget is refused too (as anchor-rl's trainer does)."""
+    node = {"v05": {"budget": budget, "k_max": 8}}
+    cfg = _verl_cfg("v05", anchor_rl=node, actor_rollout_ref={"rollout": {"n": 12}})
+    with pytest.raises(ValueError) as err:
+        check_verl_config(cfg, MethodConfig.from_verl(cfg))
+    message = str(err.value)
+    assert "actor_rollout_ref.rollout.n=12" in message and "anchor_rl.v05.k_max=8" in message
+    assert f"budget: {budget}" in message
+    assert "rollout.n <= 8" in message and "k_max to at least 12" in message
+    at_cap = _verl_cfg("v05", anchor_rl=node, actor_rollout_ref={"rollout": {"n": 8}})
+    check_verl_config(at_cap, MethodConfig.from_verl(at_cap))  # n == k_max is fine
+
+
 def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
     with pytest.raises(ValueError, match="knn prior"):
         MethodConfig.from_verl({"anchor_rl": {"method": "v05", "v05": {"prior": "knn+history"}}})
@@ -268,18 +285,23 @@ def _image_prompt(png: bytes) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", **image}, text]}]
 
 
+def messages_only_key(raw_prompt) -> str:
+    """The id an earlier version gave a row's anchor: its messages alone, without the gold."""
+    return hashlib.sha256(canonical_json(plain(raw_prompt)).encode()).hexdigest()[:32]
+
+
 def test_prompts_with_an_image_are_refused_and_text_parts_are_keyed_stably() -> None:
     buf = io.BytesIO()
     Image.new("RGB", (4, 4), "red").save(buf, format="PNG")
     with pytest.raises(ValueError, match=r"content\[0\] is a 'image' part: .*text-only"):
-        prompt_key(_image_prompt(buf.getvalue()))
+        row_key(_image_prompt(buf.getvalue()), None)
     with pytest.raises(ValueError, match="text-only"):
         dataset_records([{"raw_prompt": _image_prompt(buf.getvalue())}])
     with pytest.raises(ValueError, match=r"raw_prompt\[0\]\.image holds a PngImageFile"):
-        prompt_key([{"role": "user", "content": "hi", "image": Image.open(buf)}])
+        row_key([{"role": "user", "content": "hi", "image": Image.open(buf)}], None)
     parts = [{"role": "user", "content": [{"type": "text", "text": "What colour?"}]}]
-    assert prompt_key(parts) == prompt_key(copy.deepcopy(parts))
-    assert prompt_key("a plain prompt") == prompt_key("a plain prompt")
+    assert row_key(parts, "4") == row_key(copy.deepcopy(parts), "4")
+    assert row_key("a plain prompt", 4) == row_key("a plain prompt", 4)
 
 
 # --- set-up: presampling and group sampling -----------------------------------------------
@@ -294,17 +316,25 @@ ROWS = [
 REWARDS = {0: [1.0, 1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0, 0.0], 2: [1.0, 0.0, 0.0, 1.0], 3: [0.0] * 4}
 
 
+def _gold(row: dict) -> str:
+    return row["sol"].split("####")[-1].strip()
+
+
+def _key(row: dict) -> str:
+    return row_key(row["raw_prompt"], _gold(row))
+
+
 def _rows() -> list[dict]:
     return [
-        {**r, "reward_model": {"ground_truth": str(i)}, "extra_info": {"answer": r["sol"]}}
-        for i, r in enumerate(ROWS)
+        {**r, "reward_model": {"ground_truth": _gold(r)}, "extra_info": {"answer": r["sol"]}}
+        for r in ROWS
     ]
 
 
 def test_presampling_and_group_sampling_decide_the_anchors_and_the_rows_trained_on(
     tmp_path, tokenizer
 ) -> None:
-    by_key = {prompt_key(r["raw_prompt"]): REWARDS[i] for i, r in enumerate(ROWS[:4])}
+    by_key = {_key(r): REWARDS[i] for i, r in enumerate(ROWS[:4])}
     calls = []
 
     def sampler(records, n, first, seed):  # verl's rollout stands in here: fixed rewards
@@ -318,12 +348,12 @@ def test_presampling_and_group_sampling_decide_the_anchors_and_the_rows_trained_
     }})  # fmt: skip
     key = AnchorKey(model="ref", tokenizer="tok", task="gsm8k")
     prepared = prepare_method(cfg, _rows(), tokenizer, key, sampler)
-    assert sum(calls) == 4  # four distinct prompts (the repeat shares its anchor)
+    assert sum(calls) == 4  # four distinct prompts (the repeat, same gold, shares its anchor)
     assert prepared.rows == [1, 2, 4]  # solved and unsolvable-without-solution dropped
     state = prepared.state
-    assert state.anchor_of([prompt_key(ROWS[2]["raw_prompt"])]).tolist() == [0.5]
+    assert state.anchor_of([_key(ROWS[2])]).tolist() == [0.5]
     (teacher,) = state.trajectories.values()
-    assert teacher.prompt_id == prompt_key(ROWS[1]["raw_prompt"])
+    assert teacher.prompt_id == _key(ROWS[1])
     ids = tokenizer.encode("#### 7", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert teacher.token_ids.tolist() == ids and teacher.logprobs.abs().sum() == 0
     # a second run finds everything in the store and samples nothing
@@ -336,11 +366,35 @@ def test_anchors_under_a_given_key_are_read_and_missing_prompts_refused(tmp_path
     store_file = tmp_path / "anchors.db"
     key = AnchorKey(model="offline", tokenizer="tok")
     with AnchorStore(store_file) as store:
-        store.add_rollouts(key, [prompt_key(ROWS[0]["raw_prompt"])], [[1.0, 0.0, 0.0]], [[1, 0, 0]])
+        store.add_rollouts(key, [_key(ROWS[0])], [[1.0, 0.0, 0.0]], [[1, 0, 0]])
     cfg = MethodConfig.from_verl({"anchor_rl": {
         "method": "pvpo", "store": str(store_file), "pvpo": {"anchor_key": key.digest, "group_sampling": False},
     }})  # fmt: skip
     state = prepare_method(cfg, _rows()[:1]).state
-    assert state.anchor_of([prompt_key(ROWS[0]["raw_prompt"])]).tolist() == pytest.approx([1 / 3])
+    assert state.anchor_of([_key(ROWS[0])]).tolist() == pytest.approx([1 / 3])
     with pytest.raises(KeyError, match="have no anchor"):
         prepare_method(cfg, _rows()[:2])
+    # an anchor stored under the messages alone (an older id scheme) is never picked up
+    with AnchorStore(store_file) as store:
+        store.add_rollouts(key, [messages_only_key(ROWS[1]["raw_prompt"])], [[1.0]], [[1]])
+    with pytest.raises(KeyError, match="reward_model.ground_truth"):
+        prepare_method(cfg, _rows()[:2])
+
+
+def test_rows_are_keyed_by_their_messages_and_their_gold_answer() -> None:
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    rows = [
+        {"raw_prompt": messages, "reward_model": {"ground_truth": "4"}},
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": {"ground_truth": "5"}},
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": {"ground_truth": "4"}},
+    ]
+    records, indices = dataset_records(rows)
+    assert [r.answer for r in records] == ["4", "5"]
+    assert [indices[r.id] for r in records] == [[0, 2], [1]]
+    assert row_key(messages, "4") != row_key(messages, "5")
+    assert messages_only_key(messages) not in (row_key(messages, "4"), row_key(messages, None))
+    assert row_key(messages, 4) != row_key(messages, "4")  # verl's reward sees the type too
+    with pytest.raises(KeyError, match="no reward_model field"):
+        dataset_records([{"raw_prompt": messages}])
+    with pytest.raises(ValueError, match="ground_truth holds a"):
+        dataset_records([{"raw_prompt": messages, "reward_model": {"ground_truth": object()}}])

@@ -5,6 +5,8 @@ TransferQueue. Expected advantages come from anchor-rl's own functions on the sa
 
 from __future__ import annotations
 
+import copy
+import json
 import types
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.integrations.verl.config import MethodConfig
-from anchor_rl.integrations.verl.data import prompt_key
+from anchor_rl.integrations.verl.data import ROW_KEY, row_key
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
 from anchor_rl.integrations.verl.trainer import (
     AnchorRLTrainer,
@@ -38,6 +40,9 @@ PROMPTS = [
     [{"role": "user", "content": "Name a prime above 10."}],
 ]
 ANCHOR_REWARDS = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+GOLD = "x"
+"""Every PROMPTS row's reward_model.ground_truth."""
+KEYS = [row_key(p, GOLD) for p in PROMPTS]
 
 
 def compose_config(method: str, *overrides: str):
@@ -59,7 +64,7 @@ def anchors(tmp_path_factory) -> tuple[str, str]:
     key = AnchorKey(model="reference", tokenizer="tok", task="test")
     with AnchorStore(path) as store:
         rewards = torch.tensor(ANCHOR_REWARDS)
-        store.add_rollouts(key, [prompt_key(p) for p in PROMPTS], rewards, rewards > 0)
+        store.add_rollouts(key, KEYS, rewards, rewards > 0)
     return str(path), key.digest
 
 
@@ -78,7 +83,7 @@ def trainer_for(method: str, anchors: tuple[str, str], *overrides: str) -> Ancho
     }[method]
     cfg = compose_config(method, f"anchor_rl.store={store}", *reads, *overrides)
     trainer = AnchorRLTrainer(cfg)
-    rows = [{"raw_prompt": p, "reward_model": {"ground_truth": "x"}} for p in PROMPTS]
+    rows = [{"raw_prompt": p, "reward_model": {"ground_truth": GOLD}} for p in PROMPTS]
     trainer.state = prepare_method(trainer.method_cfg, rows).state
     return trainer
 
@@ -98,6 +103,7 @@ def trajectories(seed: int, per_prompt=(3, 4, 2), values: bool = False) -> list[
             fields = {
                 "uid": f"uid{p}",
                 "raw_prompt": PROMPTS[p],
+                "reward_model": {"ground_truth": GOLD, "style": "rule"},
                 "prompts": torch.arange(3 + p),
                 "responses": torch.randint(5, 50, (length,), generator=g),
                 "response_mask": mask,
@@ -110,11 +116,17 @@ def trajectories(seed: int, per_prompt=(3, 4, 2), values: bool = False) -> list[
     return out
 
 
+PER_PROMPT = ["uid", "raw_prompt", "reward_model", "response_mask", "rm_scores"]
+"""The fields the per-prompt methods' advantage stage reads."""
+
+
 def as_dataproto(rows: list[tuple[str, dict]], names: list[str]) -> DataProto:
     """The DataProto of verl's advantage stage: the fields from TransferQueue, padded."""
     td = list_of_dict_to_tensordict([fields for _, fields in rows]).select(*names)
     non_tensor = {
-        name: object_array(td.pop(name).tolist()) for name in ("uid", "raw_prompt") if name in names
+        name: object_array(td.pop(name).tolist())
+        for name in ("uid", "raw_prompt", "reward_model")
+        if name in names
     }
     data = DataProto(batch=td.to_padded_tensor())
     data.non_tensor_batch.update(non_tensor)
@@ -198,6 +210,12 @@ def test_the_presample_key_changes_with_every_setting_the_reference_samples_unde
 
     assert digest() == digest()
     assert digest(change) != digest()
+    cfg = compose_config("pvpo", "anchor_rl.pvpo.reference=ref-A")
+    fake = types.SimpleNamespace(
+        method_cfg=MethodConfig.from_verl(cfg), config=cfg, tokenizer=tokenizer
+    )
+    task = json.loads(AnchorRLTrainer.presample_key(fake).task)
+    assert task["anchor_ids"] == ROW_KEY  # anchors under another id scheme have another key
 
 
 # --- the advantage step on a DataProto ------------------------------------------------------
@@ -206,7 +224,7 @@ def test_the_presample_key_changes_with_every_setting_the_reference_samples_unde
 def test_pvpo_advantage_is_reward_minus_the_prompts_anchor(anchors) -> None:
     trainer = trainer_for("pvpo", anchors)
     rows = trajectories(0)
-    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    data = as_dataproto(rows, PER_PROMPT)
     metrics = trainer.state.advantage_step(data, trainer.config.algorithm, 8)
     rewards = padded(rows, "rm_scores").sum(-1)
     mask = padded(rows, "response_mask").float()
@@ -221,11 +239,11 @@ def test_pvpo_advantage_is_reward_minus_the_prompts_anchor(anchors) -> None:
 def test_v05_advantage_uses_the_fused_baseline_and_the_prior_learns(anchors) -> None:
     trainer = trainer_for("v05", anchors)
     vc = trainer.method_cfg.v05.v05_config()
-    keys = [prompt_key(p) for p in PROMPTS]
+    keys = KEYS
     means = {k: sum(r) / 4 for k, r in zip(keys, ANCHOR_REWARDS, strict=True)}
     reference = build_prior(vc, means)  # the prior as it stands before the step
     rows = trajectories(1)
-    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    data = as_dataproto(rows, PER_PROMPT)
     metrics = trainer.state.advantage_step(data, trainer.config.algorithm, 4)
 
     rewards = padded(rows, "rm_scores").sum(-1)
@@ -243,7 +261,7 @@ def test_v05_advantage_uses_the_fused_baseline_and_the_prior_learns(anchors) -> 
 
 def test_v05_padding_rows_join_no_group_and_teach_the_prior_nothing(anchors) -> None:
     rows = trajectories(2)
-    names = ["uid", "raw_prompt", "response_mask", "rm_scores"]
+    names = PER_PROMPT
     plain_trainer, padded_trainer = trainer_for("v05", anchors), trainer_for("v05", anchors)
     plain = as_dataproto(rows, names)
     plain_trainer.state.advantage_step(plain, plain_trainer.config.algorithm, 4)
@@ -261,7 +279,7 @@ def test_v05_padding_rows_join_no_group_and_teach_the_prior_nothing(anchors) -> 
         with_pad.batch["advantages"][: len(rows), :width], plain.batch["advantages"]
     )
     assert with_pad.batch["advantages"][-1].abs().sum() == 0
-    keys = [prompt_key(p) for p in PROMPTS]
+    keys = KEYS
     torch.testing.assert_close(
         padded_trainer.state.prior.predict(keys), plain_trainer.state.prior.predict(keys)
     )
@@ -294,10 +312,75 @@ def test_vapo_state_needs_no_anchors_and_pvpo_refuses_unknown_prompts(anchors) -
     trainer = trainer_for("pvpo", anchors)
     rows = trajectories(4)
     rows[0][1]["raw_prompt"] = [{"role": "user", "content": "never presampled"}]
-    data = as_dataproto(rows, ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    data = as_dataproto(rows, PER_PROMPT)
     with pytest.raises(KeyError, match="no anchor"):
         trainer.state.advantage_step(data, trainer.config.algorithm, 8)
     assert isinstance(MethodState(trainer_for("vapo", anchors).method_cfg), MethodState)
+
+
+def test_rows_with_the_same_messages_and_another_gold_get_their_own_anchor(tmp_path) -> None:
+    """Two questions worded alike: the reference's answer matches one gold (V_sta 1) and never
+    the other (V_sta 0). Each is presampled against its own gold and each batch row finds
+    its own anchor, with PVPO and with V0.5's anchor prior."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    golds = ["4", "no answer reaches this"]
+    rows = [
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": {"ground_truth": g}} for g in golds
+    ]
+
+    def sampler(records, n, first, seed):  # the reference always answers "4"
+        scored.extend(r.answer for r in records)
+        rewards = torch.tensor([[float(r.answer == "4")] * n for r in records], dtype=torch.float64)
+        return rewards, rewards >= 1.0
+
+    # a step: group 0 (gold "4") 3 rollouts, group 1 (the impossible gold) 2, all scored 0/1
+    outcomes = [[1.0, 1.0, 0.0], [0.0, 0.0]]
+    batch = []
+    for g, rewards in enumerate(outcomes):
+        for s, r in enumerate(rewards):
+            fields = {
+                "uid": f"uid{g}",
+                "raw_prompt": copy.deepcopy(messages),
+                "reward_model": {"ground_truth": golds[g], "style": "rule"},
+                "response_mask": torch.ones(2, dtype=torch.int64),
+                "rm_scores": torch.tensor([0.0, r]),
+            }
+            batch.append((f"uid{g}_{s}_0", fields))
+    rewards = torch.tensor([r for rs in outcomes for r in rs])
+    group = torch.tensor([g for g, rs in enumerate(outcomes) for _ in rs])
+    algo = OmegaConf.create({"gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True})
+
+    for method, node in [
+        ("pvpo", {"pvpo": {"m": 4, "group_sampling": False}}),
+        ("v05", {"pvpo": {"m": 4}, "v05": {"prior": "anchor"}}),
+    ]:
+        scored: list[str] = []
+        store = str(tmp_path / f"{method}.db")
+        cfg = MethodConfig.from_verl({"anchor_rl": {"method": method, "store": store, **node}})
+        key = AnchorKey(model="ref", tokenizer="tok", task="same-messages")
+        state = prepare_method(cfg, rows, None, key, sampler).state
+        assert sorted(scored) == sorted(golds)  # both rows presampled, each against its gold
+        assert sorted(stat.mean for stat in state.anchors.values()) == [0.0, 1.0]
+
+        data = as_dataproto(batch, PER_PROMPT)
+        state.advantage_step(data, algo, 3)
+        mask = padded(batch, "response_mask").float()
+        v_sta = torch.tensor([1.0, 0.0])  # per group: the reference solves "4" only
+        if method == "pvpo":
+            baseline = v_sta[group]
+        else:
+            vc = cfg.v05.v05_config()
+            baseline = fuse_groups(rewards, group, v_sta, vc).baseline.float()[group]
+        expected = (rewards - baseline).unsqueeze(-1) * mask
+        torch.testing.assert_close(data.batch["advantages"], expected)
+        assert data.batch["advantages"][-1].abs().sum() == 0  # r = 0 against its V_sta 0
+
+
+def test_a_batch_without_the_gold_answer_is_refused(anchors) -> None:
+    trainer = trainer_for("pvpo", anchors)
+    data = as_dataproto(trajectories(7), ["uid", "raw_prompt", "response_mask", "rm_scores"])
+    with pytest.raises(KeyError, match="no reward_model field"):
+        trainer.state.advantage_step(data, trainer.config.algorithm, 8)
 
 
 # --- the whole advantage stage, through a real TransferQueue --------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import httpx
 import pytest
 import torch
 from starlette.applications import Starlette
@@ -22,6 +23,7 @@ from anchor_rl.rollout.http import (
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
+    TokenMismatchError,
     connect,
 )
 from anchor_rl.rollout.types import SamplingParams
@@ -80,6 +82,14 @@ def test_sync_weights_makes_the_server_sample_the_learner(tiny_dir, one_thread) 
         batch = engine.rollout(requests, params)  # ours are loaded back first
         assert server.fingerprint() == fingerprint_model(learner)
         assert_same_batch(batch, make_engine("hf", learner, tok).rollout(requests, params))
+        folder = engine._weights.parent  # the engine's own temporary folder
+        assert folder.is_dir()
+        engine.close()
+        engine.close()  # idempotent
+        assert not folder.exists()
+        with pytest.raises(RuntimeError, match="is closed"):
+            engine.rollout(requests, params)
+        assert server.fingerprint() == fingerprint_model(learner)  # the server keeps them
 
 
 def _free_port() -> int:
@@ -166,3 +176,33 @@ def test_the_http_engine_is_registered_with_its_options() -> None:
             "grpo",
             ["rollout.engine=http", "rollout.engine_args.port=1"],
         )
+
+
+def test_ids_past_the_tokenizer_in_a_padded_embedding_go_through_both_sides(one_thread) -> None:
+    """A model whose embedding has rows past its tokenizer (as most released models: padded to
+    a multiple of 64 or 128) may sample those ids; the server takes them back in the next
+    turn's prompt and the client accepts them, as the in-process engine does."""
+    tok = build_tokenizer()
+    model = build_model("tiny", tok, seed=0)
+    extra = 5
+    model.resize_token_embeddings(len(tok) + extra)
+    with torch.no_grad():  # the padded rows as likely as common tokens (tied embeddings)
+        weight = model.get_input_embeddings().weight
+        weight[len(tok) :] = weight[A : A + extra]
+    requests = group_requests([f"{i}+{i}=" for i in range(4)], range(4), 3, "pad", 0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, max_turns=2, stop=["</answer>"])
+    local = make_engine("hf", model, tok).rollout(requests, params, TOOLS, "Think.")
+    assert (local.response_ids >= len(tok)).any()  # the case under test happens
+    server = ModelServer(model, tok, "padded")
+    with ServerThread(build_app(server)) as thread:
+        engine = HTTPEngine(tok, thread.url)
+        assert engine.vocab_size == len(tok) + extra  # reported by the server
+        assert_same_batch(local, engine.rollout(requests, params, TOOLS, "Think."))
+        factory = make_engine("http", model, tok, url=thread.url, sync_on_start=False)
+        assert factory.vocab_size == len(tok) + extra  # from the policy itself
+        strict = HTTPEngine(tok, thread.url, batched=False)  # another server: the tokenizer's
+        with pytest.raises(TokenMismatchError, match="outside the client vocabulary"):
+            strict.rollout(requests, params, TOOLS, "Think.")
+        past = {"model": "padded", "prompt": [1, 2, len(tok) + extra], "max_tokens": 2}
+        answer = httpx.post(thread.url + "/v1/completions", json=past)
+        assert answer.status_code == 400 and f"{len(tok) + extra}" in answer.text

@@ -58,7 +58,16 @@ class SubprocessEngine:
         self._process = context.Process(target=_serve, args=(child, self._dir.name), daemon=True)
         self._process.start()
         self.syncs = 0
-        weakref.finalize(self, _stop, self._conn, self._process)
+        self._stop = weakref.finalize(self, _stop, self._conn, self._process)
+
+    def close(self) -> None:
+        """Stop the child process (idempotent)."""
+        self._stop()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the child process runs."""
+        return self._process.is_alive()
 
     def _ask(self, kind: str, payload):
         self._conn.send((kind, payload))

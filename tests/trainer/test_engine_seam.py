@@ -41,6 +41,7 @@ def test_the_same_seeded_run_through_another_engine(
     assert metrics_but_timings(local.run_dir) == metrics_but_timings(remote.run_dir)
     assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(local.run_dir))  # real updates
     assert remote.engine.syncs == 1 + 3  # the initial weights, then after every update
+    assert not remote.engine.alive  # the run closed the engine it built when it ended
     for key, value in local.policy.state_dict().items():
         assert torch.equal(value, remote.policy.state_dict()[key]), key
 

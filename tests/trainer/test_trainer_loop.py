@@ -264,6 +264,29 @@ def test_show_config_checks_the_task_and_shows_a_resumed_runs_overrides(
     assert changed.exit_code == 2 and "cannot change on resume" in changed.output
 
 
+def test_show_config_of_a_resume_refuses_what_the_resume_refuses(parity, tiny, tmp_path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "run"
+    trained = runner.invoke(app, ["train", "--preset", "grpo", *tiny, "steps=2", "--out", str(out)])
+    assert trained.exit_code == 0, trained.output
+    stored = (out / "config.json").read_text()
+    refusals = {  # the command line after `train --resume RUN_DIR` -> what the error names
+        ("steps=1",): "steps=1 is below the checkpoint's step 2",
+        ("steps=3", "--from", "step_000099"): "no checkpoint 'step_000099'; it has step_000002",
+    }
+    for args, message in refusals.items():
+        shown = runner.invoke(app, ["train", "--resume", str(out), *args, "--show-config"])
+        assert shown.exit_code == 2 and message in shown.output, shown.output
+        resumed = runner.invoke(app, ["train", "--resume", str(out), *args])
+        assert resumed.exit_code == 2 and message in resumed.output, resumed.output
+    assert (out / "config.json").read_text() == stored  # nothing resumed, nothing written
+    chosen = ["--from", "step_000002", "steps=3", "log.tensorboard=false", "--show-config"]
+    shown = runner.invoke(app, ["train", "--resume", str(out), *chosen])
+    assert shown.exit_code == 0, shown.output
+    config = json.loads(shown.output)
+    assert config["steps"] == 3 and config["log"]["tensorboard"] is False  # the overrides
+
+
 def test_eval_on_training_prompts_is_the_train_split_capped_at_train_prompts(
     parity, tiny, monkeypatch
 ) -> None:

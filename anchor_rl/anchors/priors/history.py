@@ -98,14 +98,18 @@ class HistoryPrior:
         prompt_ids: Sequence[str],
         rewards: Sequence[Tensor],
         embeddings: Tensor | None = None,
+        *,
+        advance: bool = True,
     ) -> None:
         """Advance the clock one step, then add each prompt's rollouts to its discounted counts.
 
-        A prompt id repeated within one call has its groups added in order.
+        A prompt id repeated within one call has its groups added in order. ``advance=False``
+        keeps the clock: the rollouts belong to the step the last update began (a trainer that
+        learns one step's rollouts in several batches), undiscounted against it.
         """
         groups = rewards_per_prompt(prompt_ids, rewards, self.reward_range)
         lo, hi = self.reward_range
-        self.step += 1
+        self.step += int(advance)
         for pid, r in zip(prompt_ids, groups, strict=True):
             pid = str(pid)
             a, b = self._counts(pid)

@@ -60,7 +60,7 @@ from anchor_rl.anchors.filter import FilterResult
 from anchor_rl.anchors.keys import task_identity
 from anchor_rl.anchors.presample import presample as presample_prompts
 from anchor_rl.anchors.presample import task_params
-from anchor_rl.anchors.priors import prompt_embeddings
+from anchor_rl.anchors.priors import HistoryPrior, prompt_embeddings
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
 from anchor_rl.bench.trl_compare import stop_token_ids
 from anchor_rl.errors import AnchorRLError, ConfigError
@@ -762,7 +762,10 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
     ``v05.prior`` says), the real-time test of the prior and the fusion
     (``trainer.v05.fuse_groups``: positive-part James-Stein, ``algos.v05.fuse``), the
     advantage ``r - b`` (``algos.advantages.v05``), then the prior learns the group's rewards.
-    The prior is saved in every TRL checkpoint and restored on resume.
+    The history prior's forgetting clock counts anchor-rl's steps, the policy versions that
+    sampled training rollouts: one per generation batch sampled from new weights, whatever
+    ``num_iterations`` and the accumulation; batches sampled from the same weights share one
+    (:meth:`_learn`). The prior is saved in every TRL checkpoint and restored on resume.
 
     v05: V0.5's knobs (``anchor_rl.trainer.v05_config.V05Config`` or a mapping of its
         fields). The probe (``v05.probe_*``) and ``v05.top_up_rounds`` are not offered.
@@ -819,6 +822,8 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
             )
             anchors = self.anchor_set.means()
         self.prior = build_prior(vc, anchors)
+        # state.global_step when the prior last learned (None: not yet in this process)
+        self._prior_version: int | None = None
 
     def _advantages(
         self, rewards: Tensor, ids: Sequence[str], k: int
@@ -833,10 +838,38 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
         fusion = fuse_groups(rewards, group, prior, vc)
         baseline = fusion.baseline.to(rewards.dtype)[group]
         advantages = compute_advantage("v05", rewards=rewards, baseline=baseline)
-        self.prior.update(prompts, [rewards[group == g] for g in range(len(prompts))], emb)
+        self._learn(prompts, [rewards[group == g] for g in range(len(prompts))], emb)
         metrics = fusion_metrics(fusion, fusion, 0)
         metrics["v05/extra_rollouts_wanted"] = float(extra_counts(fusion, vc).sum())
         return advantages, metrics
+
+    def _learn(self, prompts: Sequence[str], groups: Sequence[Tensor], emb: Tensor | None) -> None:
+        """The prior learns a generation batch's groups, on anchor-rl's step clock.
+
+        anchor-rl's V0.5 updates the prior once per training step, a step being one batch of
+        rollouts sampled from the current weights and then trained on for ``optim.epochs x
+        optim.mini_batches`` optimizer steps (``trainer.loop.train_step``); the history
+        prior's forgetting clock (``HistoryPrior.step``) thus counts the policy versions that
+        sampled training rollouts, neither optimizer steps nor rollout batches. In TRL a
+        generation batch is sampled from the weights after ``state.global_step`` optimizer
+        steps and trained on by ``steps_per_generation * num_iterations`` micro-steps, so:
+
+        - a generation batch sampled from new weights is one step: it advances the clock by
+          one, however many optimizer steps then train on it (``num_iterations``, TRL's
+          epochs; ``steps_per_generation / gradient_accumulation_steps``, its mini-batches);
+        - generation batches sampled from the same weights (``steps_per_generation <
+          gradient_accumulation_steps``: one optimizer step spans several) are one step:
+          the first advances the clock and the others join it, their evidence added at the
+          same clock value, undiscounted, as anchor-rl's one update with the whole step's
+          rollouts would add it. (Each batch is still fused with the prior as it stands
+          when the batch is scored, so a later batch of the step sees the earlier ones.)
+        """
+        version = self.state.global_step
+        if isinstance(self.prior, HistoryPrior):
+            self.prior.update(prompts, groups, emb, advance=version != self._prior_version)
+        else:  # no clock
+            self.prior.update(prompts, groups, emb)
+        self._prior_version = version
 
     def _embed(self, prompts: Sequence[str]) -> Tensor:
         """``[G, D]``: each prompt embedded by the policy, on the ids it is sampled from."""

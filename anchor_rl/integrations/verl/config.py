@@ -88,7 +88,8 @@ class V05Section(Section):
     sigma2: Literal["worst", "prior"] = "worst"
     """Per-rollout reward variance of the fusion: `worst` or `prior`."""
     k_max: int = Field(16, gt=0)
-    """Most rollouts per prompt, top-ups included (paper: 16)."""
+    """Most rollouts per prompt, top-ups included (paper: 16); `rollout.n` above it is
+    refused with either budget."""
     cost: float | None = Field(None, ge=0)
     """Budget: add a rollout while it lowers the estimated baseline MSE by more than this.
     None: the paper's 0.0039 for +-1 rewards scaled to `reward_range`."""
@@ -101,7 +102,8 @@ class V05Section(Section):
     history_gamma: float = Field(0.95, gt=0, le=1)
     """`history` prior: per-step forgetting of past evidence."""
     budget: Literal["fixed", "adaptive"] = "adaptive"
-    """`fixed`: rollout.n per prompt. `adaptive`: top-ups where the rollouts reject the prior."""
+    """`fixed`: rollout.n per prompt. `adaptive`: top-ups where the rollouts reject the prior.
+    Either way rollout.n must not exceed `k_max`."""
 
     @field_validator("prior")
     @classmethod
@@ -286,10 +288,17 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
             "anchor_rl.pvpo.teacher serves group sampling's accuracy-0 prompts: set "
             "anchor_rl.pvpo.group_sampling=true or anchor_rl.pvpo.teacher=none"
         )
-    if name == "v05" and method.v05.budget == "adaptive" and n > method.v05.k_max:
+    # k_max is V0.5's cap on rollouts per prompt, top-ups included, whatever the budget:
+    # rollout.n is k_init, the rollouts every prompt starts with, so n > k_max breaks the cap
+    # before any top-up. anchor-rl's own trainer (TrainConfig) and the TRL integration refuse
+    # it for both budgets; a fixed budget (no top-ups) does not make the cap mean less.
+    if name == "v05" and n > method.v05.k_max:
+        k_max = method.v05.k_max
         raise ValueError(
-            f"actor_rollout_ref.rollout.n={n} is above anchor_rl.v05.k_max={method.v05.k_max}, "
-            "the budget's cap: raise anchor_rl.v05.k_max"
+            f"actor_rollout_ref.rollout.n={n} is above anchor_rl.v05.k_max={k_max}, V0.5's "
+            f"cap on rollouts per prompt (budget: {method.v05.budget}; rollout.n is k_init, "
+            f"the rollouts every prompt starts with): set actor_rollout_ref.rollout.n <= "
+            f"{k_max} or raise anchor_rl.v05.k_max to at least {n}"
         )
     if name == "vapo":
         if select(cfg, "critic.enable") is False:

@@ -1,10 +1,14 @@
-"""verl's prompts as anchor-rl records: content keys, the presample key, the field teacher.
+"""verl's prompts as anchor-rl records: row keys, the presample key, the field teacher.
 
-Anchors are keyed by prompt *content*: the SHA-256 of the canonical JSON of a row's
-``raw_prompt`` (the chat messages verl's dataset yields and its agent loop renders). The
-same prompt therefore finds its anchor whatever its position in the dataset, its ``uid``
-(a fresh uuid per step) or the process that sampled it, and two rows with the same
-messages share one anchor. Prompts must be text: an image or video part is refused.
+Anchors are keyed by row *content*: the SHA-256 of the canonical JSON of a row's
+``raw_prompt`` (the chat messages verl's dataset yields and its agent loop renders)
+together with its ``reward_model.ground_truth`` (the gold answer verl's reward function
+scores against), :func:`row_key`. The same row therefore finds its anchor whatever its
+position in the dataset, its ``uid`` (a fresh uuid per step) or the process that sampled
+it; two rows with the same messages and the same gold share one anchor, and two rows with
+the same messages but different golds (two questions worded alike, or a corrected answer)
+get one each, as anchor-rl's own records (prompt and answer) do. Prompts must be text: an
+image or video part is refused.
 
 No verl import here.
 """
@@ -27,14 +31,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "ROW_KEY",
     "FieldTeacher",
     "as_list",
     "dataset_records",
     "field_value",
     "fingerprint_reference",
+    "ground_truth",
     "plain",
     "presample_key",
-    "prompt_key",
+    "row_key",
+    "row_keys",
 ]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -89,13 +96,72 @@ def _check_text_only(value: Any, where: str = "raw_prompt") -> None:
         raise ValueError(f"{where} holds a {type(value).__name__}: {TEXT_ONLY}")
 
 
-def prompt_key(raw_prompt: Any) -> str:
-    """The content key of a prompt: 32 hex characters of the SHA-256 of the canonical JSON of
-    its ``raw_prompt`` (a list of chat messages, or a string). Text only: a ValueError for an
-    image or video part, or any value JSON cannot hold (:func:`_check_text_only`)."""
+NO_GOLD = (
+    "the anchor_rl trainer keys anchors and the V0.5 prior by raw_prompt and "
+    "reward_model.ground_truth; give every row a reward_model field (verl's reward managers "
+    "read reward_model.ground_truth too)"
+)
+
+ROW_KEY = "sha256(raw_prompt, reward_model.ground_truth)"
+"""What the anchors' ids are made of (:func:`row_key`), written into the presample key so
+anchors stored under another id scheme are never looked up under this one."""
+
+
+def row_key(raw_prompt: Any, gold: Any) -> str:
+    """The key of a verl row's anchor: 32 hex characters of the SHA-256 of the canonical JSON
+    of ``{"raw_prompt": raw_prompt, "ground_truth": gold}`` (``gold`` as
+    :func:`ground_truth` reads it, None for a row without one).
+
+    The same messages with another gold answer are another question for verl's reward (it
+    scores against the gold), so they get another anchor; the same messages with the same
+    gold share one. Text-only prompts (a ValueError for an image or video part, or any value
+    JSON cannot hold, :func:`_check_text_only`); the gold must be JSON data
+    (a string, number, list, mapping or None), else a ValueError."""
     raw = plain(raw_prompt)
     _check_text_only(raw)
-    return hashlib.sha256(canonical_json(raw).encode()).hexdigest()[:32]
+    gold = plain(gold)
+    _check_json(gold, "reward_model.ground_truth")
+    payload = canonical_json({"raw_prompt": raw, "ground_truth": gold})
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _check_json(value: Any, where: str) -> None:
+    """ValueError when ``value`` (plain data) holds something JSON cannot (its ``str`` would
+    not be a stable key)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_json(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+    elif not (value is None or isinstance(value, str | bool | int | float)):
+        raise ValueError(
+            f"{where} holds a {type(value).__name__}: the anchor_rl trainer keys anchors by the "
+            "gold answer too, which must be JSON data (a string, number, list or mapping)"
+        )
+
+
+def ground_truth(reward_model: Any) -> Any:
+    """The gold answer of a row, as verl's reward managers read it: ``reward_model`` (the
+    row's ``reward_model`` field) ``["ground_truth"]`` as plain data; None where the field is
+    None or has no ``ground_truth``."""
+    node = plain(reward_model)
+    if not isinstance(node, Mapping):
+        return None
+    return node.get("ground_truth")
+
+
+def row_keys(raw_prompts: Sequence[Any], reward_models: Sequence[Any] | None) -> list[str]:
+    """:func:`row_key` of each row of a batch, from its ``raw_prompt`` and ``reward_model``
+    fields. ``reward_models`` None (the batch has no such field) is a KeyError: keying these
+    rows by their prompt alone would look up other anchors than the ones presampled."""
+    if reward_models is None:
+        raise KeyError(f"this batch has no reward_model field: {NO_GOLD}")
+    if len(raw_prompts) != len(reward_models):
+        raise ValueError(f"{len(raw_prompts)} raw_prompt but {len(reward_models)} reward_model")
+    return [
+        row_key(raw, ground_truth(rm)) for raw, rm in zip(raw_prompts, reward_models, strict=True)
+    ]
 
 
 def field_value(row: Mapping[str, Any], path: str) -> Any:
@@ -111,26 +177,30 @@ def field_value(row: Mapping[str, Any], path: str) -> Any:
 def dataset_records(
     rows: Iterable[Mapping[str, Any]], solution_field: str | None = None
 ) -> tuple[list[Record], dict[str, list[int]]]:
-    """One :class:`Record` per distinct prompt of ``rows`` (verl dataset items), and the row
-    indices of each key.
+    """One :class:`Record` per distinct (prompt, gold answer) of ``rows`` (verl dataset
+    items), and the row indices of each key.
 
-    ``Record.id`` is :func:`prompt_key`, ``prompt`` the canonical JSON of the messages,
-    ``answer`` the row's ``reward_model.ground_truth``; ``meta["solution"]`` the value at
-    ``solution_field`` (the field teacher's trace) when given.
+    ``Record.id`` is :func:`row_key` (messages and ``reward_model.ground_truth``), ``prompt``
+    the canonical JSON of the messages, ``answer`` the gold; ``meta["solution"]`` the value
+    at ``solution_field`` (the field teacher's trace) when given. A row without a
+    ``reward_model`` field is a KeyError (:func:`row_keys`).
     """
     records: dict[str, Record] = {}
     indices: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
         raw = plain(row["raw_prompt"])
-        key = prompt_key(raw)
+        _check_text_only(raw)
+        if "reward_model" not in row:
+            raise KeyError(f"training row {i} has no reward_model field: {NO_GOLD}")
+        gold = ground_truth(row["reward_model"])
+        key = row_key(raw, gold)
         indices.setdefault(key, []).append(i)
         if key in records:
             continue
         meta: dict[str, Any] = {"row": i}
         if solution_field is not None:
             meta["solution"] = field_value(row, solution_field)
-        answer = field_value(row, "reward_model.ground_truth")
-        records[key] = Record(id=key, prompt=canonical_json(raw), answer=str(answer), meta=meta)
+        records[key] = Record(id=key, prompt=canonical_json(raw), answer=str(gold), meta=meta)
     return list(records.values()), indices
 
 
@@ -183,13 +253,15 @@ def presample_key(
     task: Mapping[str, Any],
 ) -> AnchorKey:
     """The store key of anchors presampled through verl: the reference's identity
-    (:func:`fingerprint_reference`), the tokenizer, the rollout's sampling settings and what
-    defines the task (training files, reward function, correctness threshold)."""
+    (:func:`fingerprint_reference`), the tokenizer, the rollout's sampling settings, what
+    defines the task (training files, reward function, correctness threshold) and what the
+    anchors' ids are made of (:data:`ROW_KEY`: anchors an older version stored under
+    prompt-only ids sit under another digest and are sampled again, never half-reused)."""
     return AnchorKey(
         model=reference,
         tokenizer=fingerprint_tokenizer(tokenizer),
         sampling=dict(sampling),
-        task=canonical_json(plain(dict(task))),
+        task=canonical_json(plain(dict(task)) | {"anchor_ids": ROW_KEY}),
         tag="verl/presample",
     )
 

@@ -6,7 +6,8 @@ trainer builds in its advantage stage: ``batch`` holds ``token_level_scores[B, T
 reward, outcome on the last response token), ``token_level_rewards[B, T]`` (the same, minus
 the KL penalty when it is in the reward), ``response_mask[B, T]`` and, with a critic,
 ``values[B, T]``; ``non_tensor_batch`` holds ``uid[B]`` (one uuid per prompt and step) and,
-for the per-prompt methods, ``raw_prompt[B]`` (the chat messages: the content key).
+for the per-prompt methods, ``raw_prompt[B]`` and ``reward_model[B]`` (the chat messages and
+the gold answer: the row key, :func:`~.data.row_key`).
 
 Every number comes from anchor-rl: PVPO's ``r - V_sta`` and V0.5's ``r - b`` through the
 estimators registered with verl (:mod:`.estimators`, which call :mod:`anchor_rl.algos`),
@@ -28,7 +29,7 @@ from anchor_rl.algos.registry import compute_advantage as anchor_advantage
 from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.integrations.verl import ESTIMATORS
 from anchor_rl.integrations.verl.config import MethodConfig, select
-from anchor_rl.integrations.verl.data import prompt_key
+from anchor_rl.integrations.verl.data import row_keys
 from anchor_rl.trainer.critic import critic_metrics, critic_targets, policy_lambda
 from anchor_rl.trainer.v05 import (
     Fusion,
@@ -70,9 +71,9 @@ def first_rows(group: Tensor, groups: int) -> list[int]:
 class V05Plan:
     """V0.5's state between a step's sampling (top-ups) and its advantage stage.
 
-    uids, keys: the step's prompts ``[G]`` (uid, content key). prior: the prior's prediction
-    ``[G]`` before any rollout of the step. first: the fusion on the first ``rollout.n``
-    rollouts. rounds: top-up rounds run.
+    uids, keys: the step's prompts ``[G]`` (uid, row key: messages and gold answer). prior:
+    the prior's prediction ``[G]`` before any rollout of the step. first: the fusion on the
+    first ``rollout.n`` rollouts. rounds: top-up rounds run.
     """
 
     uids: list[str]
@@ -85,9 +86,10 @@ class V05Plan:
 class MethodState:
     """What the ``anchor_rl`` trainer keeps between steps.
 
-    anchors: content key -> the reference's statistics (PVPO's ``V_sta`` is their mean), for
-        the methods that read them; None otherwise. anchor_key: the store digest they are under.
-    trajectories: content key -> teacher trajectory (PVPO's group sampling).
+    anchors: row key (:func:`~.data.row_key`: messages and gold answer) -> the reference's
+        statistics (PVPO's ``V_sta`` is their mean), for the methods that read them; None
+        otherwise. anchor_key: the store digest they are under.
+    trajectories: row key -> teacher trajectory (PVPO's group sampling).
     prior: V0.5's prior (learns every step's rewards; checkpointed).
     """
 
@@ -114,7 +116,7 @@ class MethodState:
     # -- per-prompt inputs ---------------------------------------------------------------
 
     def anchor_of(self, keys: Sequence[str]) -> Tensor:
-        """FloatTensor[len(keys)]: the static anchor of each content key (KeyError naming the
+        """FloatTensor[len(keys)]: the static anchor of each row key (KeyError naming the
         prompts the anchors in use do not cover)."""
         if self.anchors is None:
             raise ValueError(f"anchor_rl.method={self.cfg.method} reads no anchors")
@@ -166,9 +168,16 @@ class MethodState:
         rows = valid.nonzero().flatten().tolist()
         group, order = group_index([uids[r] for r in rows])
         if "raw_prompt" not in nt:
-            raise KeyError(f"anchor_rl.method={method} keys its baselines by raw_prompt[B]")
-        raw = nt["raw_prompt"]
-        keys = [prompt_key(raw[rows[r]]) for r in first_rows(group, len(order))]
+            raise KeyError(
+                f"anchor_rl.method={method} keys its baselines by raw_prompt[B] and "
+                "reward_model[B] (the gold answer)"
+            )
+        firsts = [rows[r] for r in first_rows(group, len(order))]
+        gold = nt.get("reward_model")
+        keys = row_keys(
+            [nt["raw_prompt"][r] for r in firsts],
+            None if gold is None else [gold[r] for r in firsts],
+        )
         if method == "pvpo":
             per_group = self.anchor_of(keys)
             metrics = {"pvpo/anchor_mean": per_group[group].mean().item()} if rows else {}

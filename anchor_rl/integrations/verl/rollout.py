@@ -34,7 +34,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.utils import tensordict_utils as tu
 
 from anchor_rl.integrations.verl import AGENT_LOOPS
-from anchor_rl.integrations.verl.data import as_list, plain, prompt_key
+from anchor_rl.integrations.verl.data import as_list, row_keys
 from anchor_rl.integrations.verl.method import group_index
 from anchor_rl.tasks.base import Record
 
@@ -180,7 +180,7 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
     fields = tq.kv_batch_get(
         keys=batch.keys,
         partition_id=batch.partition_id,
-        select_fields=["uid", "rm_scores", "raw_prompt"],
+        select_fields=["uid", "rm_scores", "raw_prompt", "reward_model"],
     )
     uids = [str(u) for u in as_list(fields["uid"])]
     multi = [k for k in batch.keys if _session(k)[1] > 0]
@@ -192,8 +192,10 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
     rewards = fields["rm_scores"].to_padded_tensor(0.0).float().sum(dim=-1)
     group, order = group_index(uids)
     raw = as_list(fields["raw_prompt"])
+    gold = as_list(fields["reward_model"]) if "reward_model" in fields else None
     first = {g: r for r, g in reversed(list(enumerate(group.tolist())))}
-    keys = [prompt_key(plain(raw[first[g]])) for g in range(len(order))]
+    rows = [first[g] for g in range(len(order))]
+    keys = row_keys([raw[r] for r in rows], None if gold is None else [gold[r] for r in rows])
     plan = state.v05_plan(order, keys, rewards, group)
     if vc.budget != "adaptive":
         return batch

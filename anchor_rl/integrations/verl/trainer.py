@@ -60,7 +60,7 @@ from anchor_rl.integrations.verl.data import (
     fingerprint_reference,
     plain,
     presample_key,
-    prompt_key,
+    row_keys,
 )
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
 from anchor_rl.integrations.verl.rollout import (
@@ -134,7 +134,10 @@ def prepare_method(
     if missing:
         raise KeyError(
             f"{len(missing)} of {len(ids)} training prompts have no anchor under {digest} in "
-            f"{store.path}; presample them (drop anchor_rl.pvpo.anchor_key) or point it at their key"
+            f"{store.path} (anchors are keyed by the prompt's messages and its "
+            "reward_model.ground_truth; anchors stored by a version that keyed them by the "
+            "messages alone do not count); presample them (drop anchor_rl.pvpo.anchor_key) or "
+            "point it at their key"
         )
     kept, filtered, trajectories = None, None, {}
     if cfg.group_sampling:
@@ -305,8 +308,9 @@ class AnchorRLTrainer(PPOTrainerSync):
             n = int(self.config.actor_rollout_ref.rollout.n)
             loop = str(self.config.actor_rollout_ref.rollout.agent.default_agent_loop)
             payloads, names = [], []
-            for raw in as_list(batch["raw_prompt"]):
-                traj = self.state.trajectories.get(prompt_key(plain(raw)))
+            gold = as_list(batch["reward_model"]) if "reward_model" in batch else None
+            for key in row_keys(as_list(batch["raw_prompt"]), gold):
+                traj = self.state.trajectories.get(key)
                 payloads.append(
                     {}
                     if traj is None
@@ -394,13 +398,13 @@ class AnchorRLTrainer(PPOTrainerSync):
             "values",
         ]
         if method != "vapo":
-            fields += ["raw_prompt", "extra_fields"]
+            fields += ["raw_prompt", "reward_model", "extra_fields"]
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
         )
         response_mask = data["response_mask"]
         non_tensor = {}
-        for name in ("uid", "raw_prompt", "extra_fields"):
+        for name in ("uid", "raw_prompt", "reward_model", "extra_fields"):
             if name in data:
                 non_tensor[name] = object_array([plain(x) for x in as_list(data.pop(name))])
         data = DataProto(batch=data.to_padded_tensor())
