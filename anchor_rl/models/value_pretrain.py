@@ -63,6 +63,11 @@ class Shards(Protocol):
         """The passes the busiest rank makes on a mini-batch of ``rows`` rows."""
         ...
 
+    def stopping(self, stop: bool) -> list[int]:
+        """The ranks that vote to ``stop`` (this one's vote given): the same list on every rank
+        (a collective)."""
+        ...
+
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
         """The figures' sums over the ranks."""
         ...
@@ -268,8 +273,16 @@ def fit_values(
             tokens_sum += part_tokens
         limit = math.inf if max_grad_norm is None else max_grad_norm
         norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
-        if not (math.isfinite(norm) and math.isfinite(loss_sum)):
-            raise NonFiniteError(f"the value update: loss sum = {loss_sum}, grad_norm = {norm}")
+        bad, where = not (math.isfinite(norm) and math.isfinite(loss_sum)), ""
+        if dp is not None:  # the loss sum is this rank's rows': every rank stops when any
+            # would, else one stopping alone leaves the others waiting in the next all-reduce
+            ranks = dp.stopping(bad)
+            bad, where = bool(ranks), f" on learner rank {', '.join(map(str, ranks))}"
+        if bad:
+            raise NonFiniteError(
+                f"the value update: a NaN or infinite loss or gradient norm{where} (here: loss "
+                f"sum = {loss_sum}, grad_norm = {norm}); the step was not taken"
+            )
         norm_sum += norm
         optimizer.step()
         updates += 1

@@ -23,6 +23,13 @@ divide factor set to 1), and every forward all-gathers a layer's parameters from
 rank, so the ranks run their forward and backward passes in lockstep: a rank whose share
 of a mini-batch has fewer micro-batches than another's runs a zero-weighted pass for each
 missing one (:meth:`DataParallel.passes`).
+
+A check that stops an update before its optimiser step must decide the same on every rank:
+a rank that stops alone leaves the others waiting in the next mini-batch's all-reduce (a
+deadlock until the group's timeout), or steps them without it. The policy update checks
+figures summed over the ranks and the summed gradients' norm, the same everywhere; the
+critic's ``fit_values`` checks its rank's own loss, so it asks the ranks first
+(:meth:`DataParallel.stopping`) and every rank stops when any would.
 """
 
 from __future__ import annotations
@@ -95,6 +102,15 @@ class DataParallel:
         count, its share being the largest."""
         share = math.ceil(rows / self.world)  # rank 0's share, the largest
         return math.ceil(share / micro_batch) if micro_batch else 1
+
+    def stopping(self, stop: bool) -> list[int]:
+        """The ranks that vote to ``stop`` (this one's vote given), in order: the same list on
+        every rank. Collective: one all-reduce (a sum) of a vector with each rank's flag in its
+        own place."""
+        votes = torch.zeros(self.world, dtype=torch.int32)
+        votes[self.rank] = int(stop)
+        dist.all_reduce(votes)
+        return [rank for rank in range(self.world) if votes[rank]]
 
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
         """The metrics' sums over the ranks (a rank may lack keys its rows did not produce)."""

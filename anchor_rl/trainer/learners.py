@@ -11,9 +11,14 @@ have computed, up to float summation order. With a
 critic (PPO, VAPO) every rank also holds a critic replica and runs its share of the value
 update the same way (``critic_update``; ``fit_values`` with ``dp``).
 Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of
-learners. A rank that dies ends the run with a clear error; its last checkpoint resumes it.
+learners. A rank that dies ends the run with a clear error naming it, its exit code and its
+error; its last checkpoint resumes it. A rank that dies while the ranks start ends the start
+at once when it dies setting itself up (:func:`_await_joining`), after ``RENDEZVOUS`` when
+it dies in the rendezvous itself: not after the group's 30-minute ``TIMEOUT``.
 A divergence (``NonFiniteError``) is raised by rank 0 alone, with the run's message: the
-other ranks meet it at the same check, skip the step and wait for rank 0's stop.
+other ranks meet it at the same check (the policy's figures are summed over the ranks
+before it; the critic's ``fit_values`` asks every rank, ``DataParallel.stopping``), skip
+the step and wait for rank 0's stop.
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
 shard of the policy (``distributed.shard_model``) with its own shard of the AdamW state,
@@ -35,6 +40,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
+from torch.distributed import distributed_c10d
 
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
@@ -57,6 +64,15 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=30)
 """How long a rank waits in a collective before giving up (the others are rolling out)."""
+RENDEZVOUS = timedelta(minutes=1)
+"""How long rank 0 waits in the process group's rendezvous, which it enters once every rank
+has signalled that it is joining (its set-up done): a rank that dies in between ends the start
+after this, not after ``TIMEOUT`` (the group's collectives then get ``TIMEOUT``)."""
+DEATH_GRACE = 5.0
+"""Seconds a failed collective waits for the rank that caused it to show as exited, so that
+the error names it (a closed connection can come before the process is reaped)."""
+ERROR_CHARS = 2000
+"""The most characters of a rank's error sent to rank 0 (the whole traceback is printed)."""
 
 
 def _free_port() -> int:
@@ -82,21 +98,58 @@ class LearnerGroup:
         context = mp.get_context("spawn")
         table = cfg.model_dump(mode="json")
         joining = [context.Event() for _ in range(1, world)]  # set as each rank joins
+        self._errors = context.SimpleQueue()  # (rank, its error) from a rank that raised
+        self._reported: dict[int, str] = {}
         self.processes = [
             context.Process(
                 target=_learner_main,
-                args=(rank, world, address, table, policy.config, threads, joining[rank - 1]),
+                args=(rank, world, address, table, policy.config, threads, joining[rank - 1],
+                      self._errors),
                 daemon=True,
                 name=f"anchor-rl-learner-{rank}",
             )
             for rank in range(1, world)
-        ]
+        ]  # fmt: skip
         for process in self.processes:
             process.start()
-        _await_joining(self.processes, joining)
+        try:
+            self._start(cfg, policy, optimizer, scheduler, critic, address, joining)
+        except RuntimeError as exc:  # gloo or its store: a rank gone, the rendezvous's timeout
+            who = self._dead()  # before the others are killed
+            self._abandon()
+            raise AnchorRLError(
+                f"{who} stopped while the learner ranks started ({exc}); the other ranks were "
+                "stopped"
+                if who
+                else f"the learner ranks' start failed ({exc}); the ranks were stopped"
+            ) from exc
+        except BaseException:  # _await_joining's error (it names the rank), an interrupt
+            self._abandon()
+            raise
+
+    def _start(
+        self,
+        cfg: TrainConfig,
+        policy: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        critic: tuple[Critic, torch.optim.Optimizer] | None,
+        address: str,
+        joining: list[Any],
+    ) -> None:
+        """Rank 0's part of the start, once the ranks are spawned: wait for every rank's
+        signal that it has set itself up (:func:`_await_joining`), join the process group
+        with them (the rendezvous bounded by ``RENDEZVOUS``), send them the run's state and
+        shard the models when sharding."""
+        world = cfg.cluster.learners
+        _await_joining(self.processes, joining, self._rank_errors)
         dist.init_process_group(
-            "gloo", init_method=address, rank=0, world_size=world, timeout=TIMEOUT
+            "gloo", init_method=address, rank=0, world_size=world, timeout=RENDEZVOUS
         )
+        # the collectives' timeout and the store's (a group built later, FSDP's mesh on a
+        # machine with CUDA, meets there); torch has no public setters for them
+        distributed_c10d._set_pg_timeout(TIMEOUT)
+        distributed_c10d._get_default_store().set_timeout(TIMEOUT)
         sharded = cfg.cluster.learner_sharding == "fsdp"
         state = {
             "weights": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
@@ -203,14 +256,48 @@ class LearnerGroup:
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "the critic's update")) from exc
 
+    def _rank_errors(self) -> dict[int, str]:
+        """The errors the ranks reported before they exited, by rank (drained from the
+        ranks' queue and kept)."""
+        while not self._errors.empty():
+            rank, error = self._errors.get()
+            self._reported[rank] = error
+        return self._reported
+
+    def _dead(self) -> str:
+        """The ranks that have exited, with their exit codes and errors (:func:`_dead_ranks`),
+        for the error of a collective that failed: waits up to ``DEATH_GRACE`` seconds for one
+        to show as exited; empty when none has."""
+        deadline = time.monotonic() + DEATH_GRACE
+        while all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return _dead_ranks(self.processes, self._rank_errors())
+
     def _stopped(self, exc: Exception, during: str = "the policy update") -> str:
-        dead = [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
-        who = ", ".join(f"{name} (exit code {code})" for name, code in dead) or "a learner rank"
+        """The error of a collective that failed (``exc``) during ``during``: who stopped
+        (:meth:`_dead`) and how to resume."""
+        who = self._dead() or "a learner rank"
         return (
             f"{who} stopped during {during} ({exc}); the run stopped before applying "
             "the step: resume it from its last checkpoint with anchor-rl train --resume RUN_DIR "
             "(any cluster.learners)"
         )
+
+    def _abandon(self) -> None:
+        """End a start that failed: kill the ranks (waiting for each) and leave the process
+        group if rank 0 had joined it, so that nothing of the start is left behind."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        elif not distributed_c10d._world.pg_map:
+            # A rendezvous that failed has counted its group all the same, and the count names
+            # the next group's keys in the store: a later start in this process would wait
+            # for keys its new ranks, counting from 0, never write. destroy_process_group
+            # resets the count so; no group is left to destroy here.
+            distributed_c10d._world.group_count = 0
 
     def close(self) -> None:
         """Tell the ranks to stop, wait for them, and leave the process group. A rank that
@@ -231,25 +318,40 @@ class LearnerGroup:
                 dist.destroy_process_group()
 
 
-def _await_joining(processes: list[Any], joining: list[Any], poll: float = 0.05) -> None:
-    """Wait until every spawned rank is about to join the process group (its event set),
-    so that a rank that dies before (an import or unpickling error in the new process)
-    ends the run at once with its exit code, instead of rank 0 waiting for the group's
-    30-minute timeout; the other ranks are stopped."""
+def _dead_ranks(processes: list[Any], errors: dict[int, str]) -> str:
+    """The ranks of ``processes`` that have exited, each with its exit code and the error it
+    reported (``errors``, by rank), if any: ``"anchor-rl-learner-1 (exit code 1: ...)"``."""
+    out = []
+    for rank, process in enumerate(processes, start=1):
+        if process.exitcode is None:
+            continue
+        error = errors.get(rank)
+        out.append(f"{process.name} (exit code {process.exitcode}{': ' + error if error else ''})")
+    return ", ".join(out)
+
+
+def _await_joining(
+    processes: list[Any],
+    joining: list[Any],
+    errors: Callable[[], dict[int, str]] = dict,
+    poll: float = 0.05,
+) -> None:
+    """Wait until every spawned rank has set itself up and is about to join the process
+    group (its event set), so that a rank that dies before (an import or unpickling error in
+    the new process, a config or model it cannot build) ends the start at once with its exit
+    code and its error (``errors()``: the ranks' reported errors, by rank), instead of rank 0
+    waiting for the group's 30-minute timeout. The caller stops the other ranks."""
     deadline = time.monotonic() + TIMEOUT.total_seconds()
     while not all(event.is_set() for event in joining):
-        dead = [(p.name, p.exitcode) for p in processes if p.exitcode is not None]
-        late = time.monotonic() > deadline
-        if dead or late:
-            for process in processes:
-                process.kill()
-                process.join(timeout=30)
-            who = ", ".join(f"{name} (exit code {code})" for name, code in dead)
+        if any(p.exitcode is not None for p in processes):
+            who = _dead_ranks(processes, errors())
+            details = "" if errors() else " (its error is above)"
             raise AnchorRLError(
-                f"{who} stopped before joining the learners' process group (its error is above)"
-                if dead
-                else f"the learner ranks did not start within {TIMEOUT}"
+                f"{who} stopped before joining the learners' process group{details}; "
+                "the other ranks were stopped"
             )
+        if time.monotonic() > deadline:
+            raise AnchorRLError(f"the learner ranks did not start within {TIMEOUT}")
         time.sleep(poll)
 
 
@@ -261,21 +363,44 @@ def _learner_main(
     model_config: Any,
     threads: int,
     joining: Any,
+    errors: Any,
 ) -> None:
     """A learner rank: a replica of the policy and its optimiser, updated with rank 0
-    (``joining``: an event set just before it joins the process group)."""
+    (``joining``: an event set once the rank has set itself up, just before it joins the
+    process group; ``errors``: a queue that gets ``(rank, error)`` when the rank raises, for
+    rank 0's message, before the rank exits with its traceback printed)."""
+    try:
+        _learner(rank, world, address, table, model_config, threads, joining)
+    except Exception as exc:
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())  # on one line
+        errors.put((rank, error[:ERROR_CHARS]))
+        raise
+
+
+def _learner(
+    rank: int,
+    world: int,
+    address: str,
+    table: dict[str, Any],
+    model_config: Any,
+    threads: int,
+    joining: Any,
+) -> None:
+    """The rank's work (:func:`_learner_main`). What it can do alone comes before it signals
+    rank 0 (the config and its plugins, the model), so that an error there ends the start at
+    once (:func:`_await_joining`)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     keep_freed_memory()
-    joining.set()
-    dist.init_process_group(
-        "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
-    )
     cfg = build_config(table)  # imports the run's plugins too
     model = AutoModelForCausalLM.from_config(model_config)
     if cfg.disable_dropout:
         disable_dropout(model)
+    joining.set()
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
+    )
     received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0)
     state = received[0]
@@ -420,7 +545,8 @@ def _fit_critic(
     cfg: TrainConfig,
     dp: DataParallel,
 ) -> dict[str, float]:
-    """``fit_values`` of this rank's share of the critic's update (the same call on every rank)."""
+    """``fit_values`` of this rank's share of the critic's update (the same call on every rank;
+    its non-finite check is collective, so the ranks stop together)."""
     critic.train()
     return fit_values(
         critic, optimizer, payload["batch"], payload["mask"], payload["old_values"],

@@ -7,7 +7,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
+import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -232,6 +235,115 @@ def test_a_rank_that_dies_before_joining_ends_the_start_at_once(one_thread, monk
         LearnerGroup(cfg, model, opt, sched)
     assert time.monotonic() - started < 120
     assert not torch.distributed.is_initialized()
+
+
+def test_a_rank_that_cannot_build_its_config_ends_the_start_at_once_with_its_error(
+    one_thread, monkeypatch
+) -> None:
+    """A rank builds its config (importing the run's plugins) and its model before it signals
+    that it is joining, so an error there ends the start within seconds, naming the rank,
+    its exit code and its error. Here the plugin is a module only this process has (in
+    sys.modules), so the spawned rank's import of it fails. It used to come after the
+    rendezvous: rank 0 got gloo's "Connection closed by peer" from the state's broadcast."""
+    import multiprocessing
+
+    plugin = "anchor_rl_plugin_of_this_process_only"
+    monkeypatch.setitem(sys.modules, plugin, types.ModuleType(plugin))
+    cfg = load_config("grpo", ["kl.coef=0", "cluster.learners=2", "cluster.threads_per_learner=1",
+                               f"plugins={plugin}"])  # fmt: skip
+    model = build_model("tiny", build_tokenizer(), seed=0)
+    opt, sched = make_optimizer(cfg, model.parameters())
+    started = time.monotonic()
+    with pytest.raises(
+        AnchorRLError,
+        match=rf"anchor-rl-learner-1 \(exit code 1: ConfigError: .*plugin '{plugin}' cannot be "
+        r"imported.*\) stopped before joining",
+    ):
+        LearnerGroup(cfg, model, opt, sched)
+    assert time.monotonic() - started < 60
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("anchor-rl")]
+
+
+def test_a_rank_that_dies_in_the_rendezvous_ends_the_start_after_its_timeout(
+    one_thread, monkeypatch
+) -> None:
+    """Rank 0 enters the rendezvous once every rank has signalled; a rank that dies in it
+    ends the start after ``RENDEZVOUS`` (here 3 s), not the collectives' 30-minute timeout,
+    with an error naming the rank and its exit code. A later start in the same process then
+    works (the failed rendezvous had counted a group, which named the next one's keys)."""
+    import learner_exits
+
+    real = learners_module._learner_main
+    monkeypatch.setattr(learners_module, "_learner_main", learner_exits.exit_after_joining)
+    monkeypatch.setattr(learners_module, "RENDEZVOUS", timedelta(seconds=3))
+    cfg = load_config("grpo", ["kl.coef=0", "cluster.learners=2", "cluster.threads_per_learner=1"])
+    model = build_model("tiny", build_tokenizer(), seed=0)
+    opt, sched = make_optimizer(cfg, model.parameters())
+    started = time.monotonic()
+    with pytest.raises(
+        AnchorRLError,
+        match=r"anchor-rl-learner-1 \(exit code 4\) stopped while the learner ranks started",
+    ):
+        LearnerGroup(cfg, model, opt, sched)
+    assert time.monotonic() - started < 60
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(learners_module, "_learner_main", real)
+    group = LearnerGroup(cfg, model, opt, sched)
+    try:
+        assert torch.distributed.get_world_size() == 2
+    finally:
+        group.close()
+    assert [p.exitcode for p in group.processes] == [0]
+
+
+@pytest.mark.parametrize("bad", [1, 0])
+def test_the_critics_ranks_agree_to_stop_when_one_ranks_loss_is_not_finite(bad) -> None:
+    """2 gloo ranks run the learners' critic update; rank ``bad``'s value loss is infinite
+    (its gradient finite, so the summed gradients' norm is finite on both ranks). fit_values
+    checks its rank's own loss: that rank used to stop alone while the other stepped and went
+    on to the next mini-batch's all-reduce, waiting there for the group's timeout. Now both
+    raise NonFiniteError at that step and neither steps; the next update, every loss finite,
+    steps both ranks to the same weights."""
+    import multiprocessing
+
+    import critic_ranks
+
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()  # written at once: the ranks leave by os._exit
+    address = f"tcp://127.0.0.1:{learners_module._free_port()}"
+    ranks = [
+        context.Process(
+            target=critic_ranks.fit_with_an_infinite_loss, args=(rank, 2, address, bad, results)
+        )
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    got = {}
+    deadline = time.monotonic() + 180  # each rank's collectives time out after 60 s
+    try:
+        while len(got) < len(ranks) and time.monotonic() < deadline:
+            if not results.empty():
+                rank, first, moved, second, digest = results.get()
+                got[rank] = (first, moved, second, digest)
+            elif any(p.exitcode not in (None, 0) for p in ranks):
+                break
+            else:
+                time.sleep(0.1)
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert len(got) == 2, f"a rank did not finish: {got}, {[p.exitcode for p in ranks]}"
+    good = 1 - bad
+    stop = f"NonFiniteError: the value update: a NaN or infinite loss or gradient norm on learner rank {bad} (here: loss sum = "  # noqa: E501
+    assert got[bad][0].startswith(stop + "inf"), got[bad]  # each names the rank
+    assert got[good][0].startswith(stop) and "sum = inf" not in got[good][0], got[good][0]
+    assert not got[0][1] and not got[1][1]  # neither rank stepped
+    assert got[0][2] == got[1][2] == "stepped"
+    assert got[0][3] == got[1][3]  # still in step: the same weights after the next update
 
 
 def test_what_learners_do_not_support_yet_is_refused() -> None:
