@@ -67,7 +67,10 @@ def kind(dso: str, symbol: str) -> str:
         return "attention kernels"
     if "copy_kernel" in symbol or "memmove" in symbol or "memcpy" in symbol:
         return "copies"
-    if any(k in symbol for k in ("VectorizedLoop2d", "_kernel", "Sleef_", "vectorized_", "vec::")):
+    loops = ("VectorizedLoop2d", "_kernel", "Sleef_", "vectorized_", "vec::", "serial_for_each")
+    if any(k in symbol for k in loops) or symbol.startswith(
+        "at::native::(anonymous namespace)::cpu_"
+    ):
         return "element-wise kernels and reductions"
     if dso.startswith(("libtorch", "libc10")) or dso.startswith("libc.so"):
         return "dispatch, bindings, bookkeeping"
@@ -97,17 +100,25 @@ def parse_report(text: str) -> list[tuple[float, str, str]]:
     return rows
 
 
-def summarise(rows: list[tuple[float, str, str]], top: int = 12) -> dict[str, Any]:
-    """Each kind's share of the samples (percent) and the ``top`` functions."""
+def summarise(
+    rows: list[tuple[float, str, str]], top: int = 12, per_kind: int = 4
+) -> dict[str, Any]:
+    """Each kind's share of the samples (percent), the ``top`` functions, and each kind's
+    ``per_kind`` largest functions (``"percent dso: name"``)."""
     shares = dict.fromkeys(KINDS, 0.0)
-    for percent, dso, symbol in rows:
-        shares[kind(dso, symbol)] += percent
+    largest: dict[str, list[str]] = {k: [] for k in KINDS}
+    for percent, dso, symbol in sorted(rows, reverse=True):
+        group = kind(dso, symbol)
+        shares[group] += percent
+        if len(largest[group]) < per_kind:
+            largest[group].append(f"{percent:.2f} {dso}: {short(symbol)}")
     return {
         "kinds": {k: round(v, 2) for k, v in shares.items()},
         "top": [
             {"percent": p, "dso": d, "symbol": short(s), "kind": kind(d, s)}
             for p, d, s in sorted(rows, reverse=True)[:top]
         ],
+        "largest_by_kind": largest,
     }
 
 
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value)")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     perf = shutil.which("perf")
     if perf is None:
         raise SystemExit("probe_native needs Linux perf on the PATH (e.g. the linux-perf package)")
