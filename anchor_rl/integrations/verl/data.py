@@ -74,27 +74,34 @@ TEXT_ONLY = (
 )
 
 
-def _check_text_only(value: Any, where: str = "raw_prompt") -> None:
+def _check_text_only(
+    value: Any, where: str = "raw_prompt", why: str = TEXT_ONLY, parts_too: bool = True
+) -> None:
     """ValueError naming the first part of ``value`` (plain data) that is not text: a message
-    content part of another type than ``text`` (an image, a video), or a value JSON cannot
-    hold (a PIL image, bytes), whose key would not be stable from one load of the dataset to
-    the next."""
+    content part of another type than ``text`` (an image, a video; checked when
+    ``parts_too``), or a value JSON cannot hold (a PIL image, bytes), whose key would not be
+    stable from one load of the dataset to the next. ``why`` ends the message."""
     if isinstance(value, Mapping):
-        parts = value.get("content")
+        parts = value.get("content") if parts_too else None
         if isinstance(parts, list):
             for i, part in enumerate(parts):
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind != "text":
                     got = f"a {kind!r} part" if kind else f"a {type(part).__name__}"
-                    raise ValueError(f"{where}.content[{i}] is {got}: {TEXT_ONLY}")
+                    raise ValueError(f"{where}.content[{i}] is {got}: {why}")
         for k, v in value.items():
-            _check_text_only(v, f"{where}.{k}")
+            _check_text_only(v, f"{where}.{k}", why, parts_too)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_text_only(v, f"{where}[{i}]")
+            _check_text_only(v, f"{where}[{i}]", why, parts_too)
     elif not (value is None or isinstance(value, str | bool | int | float)):
-        raise ValueError(f"{where} holds a {type(value).__name__}: {TEXT_ONLY}")
+        raise ValueError(f"{where} holds a {type(value).__name__}: {why}")
 
+
+GOLD_JSON = (
+    "the anchor_rl trainer keys anchors by the gold answer too, which must be JSON data "
+    "(a string, number, list or mapping)"
+)
 
 NO_GOLD = (
     "the anchor_rl trainer keys anchors and the V0.5 prior by raw_prompt and "
@@ -120,25 +127,9 @@ def row_key(raw_prompt: Any, gold: Any) -> str:
     raw = plain(raw_prompt)
     _check_text_only(raw)
     gold = plain(gold)
-    _check_json(gold, "reward_model.ground_truth")
+    _check_text_only(gold, "reward_model.ground_truth", GOLD_JSON, parts_too=False)
     payload = canonical_json({"raw_prompt": raw, "ground_truth": gold})
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
-
-
-def _check_json(value: Any, where: str) -> None:
-    """ValueError when ``value`` (plain data) holds something JSON cannot (its ``str`` would
-    not be a stable key)."""
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            _check_json(v, f"{where}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_json(v, f"{where}[{i}]")
-    elif not (value is None or isinstance(value, str | bool | int | float)):
-        raise ValueError(
-            f"{where} holds a {type(value).__name__}: the anchor_rl trainer keys anchors by the "
-            "gold answer too, which must be JSON data (a string, number, list or mapping)"
-        )
 
 
 def ground_truth(reward_model: Any) -> Any:
