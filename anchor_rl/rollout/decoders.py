@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
+from torch.nn.functional import embedding, scaled_dot_product_attention
 from transformers import PreTrainedModel
 
 from anchor_rl.models.llama import LayerPass, decode_layers, llama_unsupported, rotary_tables
@@ -71,7 +71,9 @@ class Decoder(Protocol):
         ...
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Append ``tokens[B]`` at positions ``pos[B]``; the logits ``[B, V]`` after them."""
+        """Append ``tokens[B]`` at positions ``pos[B]``; the logits ``[B, V]`` after them. A
+        row's position is at most its position at the prefill's last column plus the steps
+        so far (it is below ``L + budget``), as a sampler's are."""
         ...
 
     def select(self, index: torch.Tensor) -> None:
@@ -218,6 +220,7 @@ class StaticDecoder:
         self.rows = torch.zeros(0, dtype=torch.long)  # buffer row of each live row
         self.column = 0  # next column to write
         self.passes: list[LayerPass] = []  # the turn's layers, weights prepared (see prefill)
+        self._tables: tuple[torch.Tensor, ...] = ()  # the turn's rotary cos, signed sin [W, D]
         # static shapes: whole-budget buffers, a step's column in a tensor, attention over
         # its span of columns; graphs: each step replayed from a CUDA graph of its span
         self.graphs = graphs
@@ -247,6 +250,12 @@ class StaticDecoder:
             self.attention is None and device.type == "cpu" and half
         )
         self.passes = decode_layers(self.inner, b)  # weights fixed for the turn: prepare once
+        # positions stay below `limit` (a row's position is at most its column): the turn's
+        # rotary tables once, each step indexes them
+        at = torch.arange(limit, device=device)[None]
+        self._tables = tuple(
+            t[0] for t in rotary_tables(self.inner, self.inner.embed_tokens.weight, at)
+        )
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
         distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
@@ -407,8 +416,7 @@ class StaticDecoder:
         for an int ``start``). A tensor ``start`` (``[1]``, with ``n = 1``) is the
         static-shape step: its column is written in place, and ``K`` is its span."""
         b = hidden.shape[0]
-        cos, sin = rotary_tables(self.inner, hidden, pos)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, D]: one table for every head
+        cos, sin = self._rotary(pos)
         static = isinstance(start, torch.Tensor)
         end = attend.shape[-1]  # the columns attended
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
@@ -449,6 +457,18 @@ class StaticDecoder:
             out = out.view(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
             hidden = layer.finish(hidden, out)
         return hidden
+
+    def _rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables ``cos``, ``signed_sin`` ``[B, n, 1, D]`` (one for every head) of
+        positions ``pos[B, n]``, looked up in the turn's (a step ran ~a dozen operators to
+        compute them, 3% of a ``tiny`` rollout on the CPU; the values are the same)."""
+        try:
+            return tuple(embedding(pos, table)[:, :, None] for table in self._tables)
+        except IndexError as error:  # on the CPU; the sampler's positions never get here
+            raise ValueError(
+                f"a position past the turn's {len(self._tables[0])} (prompt width + budget): "
+                "a row's position grows by one a step from its position at the prefill"
+            ) from error
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` logits of the last position of ``hidden[B, n, H]``."""

@@ -281,10 +281,23 @@ def test_static_cache_refuses_a_step_past_its_budget() -> None:
     ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
     decoder = StaticDecoder(model)
     with torch.no_grad():
+        pos = position_ids(mask)[:, -1]
         decoder.prefill(ids, mask, position_ids(mask), 1)
-        decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 9))
+        decoder.step(torch.ones(4, dtype=torch.long), pos + 1)
         with pytest.raises(RuntimeError, match="full"):
-            decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), 10))
+            decoder.step(torch.ones(4, dtype=torch.long), pos + 2)
+
+
+def test_a_step_position_past_the_turns_rotary_tables_is_a_clear_error() -> None:
+    """Positions grow by one a step from the prefill's (as the sampler's do): one past the
+    prompt width + budget has no rotary table row, and says so."""
+    model = MODELS["tiny"].eval()
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    decoder = StaticDecoder(model)
+    with torch.no_grad():
+        decoder.prefill(ids, mask, position_ids(mask), 2)
+        with pytest.raises(ValueError, match="prompt width \\+ budget"):
+            decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), ids.shape[1] + 2))
 
 
 def test_bf16_decoding_with_either_attention_stays_near_the_float32_logits() -> None:
