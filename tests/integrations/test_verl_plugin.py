@@ -14,6 +14,7 @@ import sys
 import types
 from importlib.metadata import entry_points
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -31,7 +32,7 @@ from anchor_rl.integrations.verl.config import (
     VAPOSection,
     check_verl_config,
 )
-from anchor_rl.integrations.verl.data import dataset_records, plain, row_key
+from anchor_rl.integrations.verl.data import ROW_KEY, dataset_records, plain, row_key, row_keys
 from anchor_rl.integrations.verl.estimators import ppo_policy_loss
 from anchor_rl.integrations.verl.trainer import prepare_method
 
@@ -216,6 +217,29 @@ def test_v05_refuses_more_first_rollouts_than_k_max_with_either_budget(budget) -
     check_verl_config(at_cap, MethodConfig.from_verl(at_cap))  # n == k_max is fine
 
 
+@pytest.mark.parametrize(
+    ("method", "node", "named", "fix"),
+    [
+        ("v05", {"v05": {"budget": "fixed", "top_up_rounds": 4}}, ["top_up_rounds"], "budget"),
+        ("v05", {"v05": {"budget": "fixed", "cost": 0.01}}, ["cost"], "budget=adaptive"),
+        ("vapo", {"vapo": {"policy_lam": 0.9, "lam_alpha": 0.1}}, ["lam_alpha"], "adaptive"),
+        ("vapo", {"vapo": {"policy_lam": 0.9, "lam_min": 0.5}}, ["lam_min"], "policy_lam"),
+    ],
+)
+def test_knobs_the_methods_other_settings_switch_off_are_refused(method, node, named, fix) -> None:
+    """As anchor-rl's trainer refuses them: top-up knobs with a fixed budget, the adaptive
+    lambda's knobs with a numeric policy lambda; the same knobs pass once they are read."""
+    cfg = _verl_cfg(method, anchor_rl=node, critic={"enable": method == "vapo"})
+    with pytest.raises(ValueError, match="no effect") as err:
+        check_verl_config(cfg, MethodConfig.from_verl(cfg))
+    message = str(err.value)
+    assert all(f"anchor_rl.{method}.{name}" in message for name in named) and fix in message
+    section = dict(node[method])
+    section.update({"budget": "adaptive"} if method == "v05" else {"policy_lam": "adaptive"})
+    read = _verl_cfg(method, anchor_rl={method: section}, critic={"enable": method == "vapo"})
+    check_verl_config(read, MethodConfig.from_verl(read))
+
+
 def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
     with pytest.raises(ValueError, match="knn prior"):
         MethodConfig.from_verl({"anchor_rl": {"method": "v05", "v05": {"prior": "knn+history"}}})
@@ -290,18 +314,24 @@ def messages_only_key(raw_prompt) -> str:
     return hashlib.sha256(canonical_json(plain(raw_prompt)).encode()).hexdigest()[:32]
 
 
+def no_source_key(raw_prompt, gold) -> str:
+    """The id the version before gave a row's anchor: messages and gold, no data_source."""
+    payload = canonical_json({"raw_prompt": plain(raw_prompt), "ground_truth": plain(gold)})
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
 def test_prompts_with_an_image_are_refused_and_text_parts_are_keyed_stably() -> None:
     buf = io.BytesIO()
     Image.new("RGB", (4, 4), "red").save(buf, format="PNG")
     with pytest.raises(ValueError, match=r"content\[0\] is a 'image' part: .*text-only"):
-        row_key(_image_prompt(buf.getvalue()), None)
+        row_key(_image_prompt(buf.getvalue()), None, None)
     with pytest.raises(ValueError, match="text-only"):
         dataset_records([{"raw_prompt": _image_prompt(buf.getvalue())}])
     with pytest.raises(ValueError, match=r"raw_prompt\[0\]\.image holds a PngImageFile"):
-        row_key([{"role": "user", "content": "hi", "image": Image.open(buf)}], None)
+        row_key([{"role": "user", "content": "hi", "image": Image.open(buf)}], None, None)
     parts = [{"role": "user", "content": [{"type": "text", "text": "What colour?"}]}]
-    assert row_key(parts, "4") == row_key(copy.deepcopy(parts), "4")
-    assert row_key("a plain prompt", 4) == row_key("a plain prompt", 4)
+    assert row_key(parts, "4", "gsm8k") == row_key(copy.deepcopy(parts), "4", "gsm8k")
+    assert row_key("a plain prompt", 4, None) == row_key("a plain prompt", 4, None)
 
 
 # --- set-up: presampling and group sampling -----------------------------------------------
@@ -320,13 +350,22 @@ def _gold(row: dict) -> str:
     return row["sol"].split("####")[-1].strip()
 
 
+SOURCE = "openai/gsm8k"
+"""Every _rows() row's data_source (verl's reward picks its scoring function by it)."""
+
+
 def _key(row: dict) -> str:
-    return row_key(row["raw_prompt"], _gold(row))
+    return row_key(row["raw_prompt"], _gold(row), SOURCE)
 
 
 def _rows() -> list[dict]:
     return [
-        {**r, "reward_model": {"ground_truth": _gold(r)}, "extra_info": {"answer": r["sol"]}}
+        {
+            **r,
+            "data_source": SOURCE,
+            "reward_model": {"ground_truth": _gold(r)},
+            "extra_info": {"answer": r["sol"]},
+        }
         for r in ROWS
     ]
 
@@ -379,6 +418,13 @@ def test_anchors_under_a_given_key_are_read_and_missing_prompts_refused(tmp_path
         store.add_rollouts(key, [messages_only_key(ROWS[1]["raw_prompt"])], [[1.0]], [[1]])
     with pytest.raises(KeyError, match="reward_model.ground_truth"):
         prepare_method(cfg, _rows()[:2])
+    # nor one stored under messages and gold without the data_source (the scheme before)
+    with AnchorStore(store_file) as store:
+        store.add_rollouts(
+            key, [no_source_key(ROWS[1]["raw_prompt"], _gold(ROWS[1]))], [[1.0]], [[1]]
+        )
+    with pytest.raises(KeyError, match="without the data_source"):
+        prepare_method(cfg, _rows()[:2])
 
 
 def test_rows_are_keyed_by_their_messages_and_their_gold_answer() -> None:
@@ -391,10 +437,50 @@ def test_rows_are_keyed_by_their_messages_and_their_gold_answer() -> None:
     records, indices = dataset_records(rows)
     assert [r.answer for r in records] == ["4", "5"]
     assert [indices[r.id] for r in records] == [[0, 2], [1]]
-    assert row_key(messages, "4") != row_key(messages, "5")
-    assert messages_only_key(messages) not in (row_key(messages, "4"), row_key(messages, None))
-    assert row_key(messages, 4) != row_key(messages, "4")  # verl's reward sees the type too
+    assert row_key(messages, "4", None) != row_key(messages, "5", None)
+    assert messages_only_key(messages) not in (
+        row_key(messages, "4", None),
+        row_key(messages, None, None),
+    )
+    assert row_key(messages, 4, None) != row_key(messages, "4", None)  # verl's reward sees types
     with pytest.raises(KeyError, match="no reward_model field"):
         dataset_records([{"raw_prompt": messages}])
     with pytest.raises(ValueError, match="ground_truth holds a"):
         dataset_records([{"raw_prompt": messages, "reward_model": {"ground_truth": object()}}])
+
+
+def test_rows_are_keyed_by_their_data_source_too() -> None:
+    """verl's reward managers pick the scoring function by the row's data_source, so the same
+    messages and gold under two data sources are two anchors; a row without the field keys
+    as data_source None, and a batch without the field keys its rows the same way."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    rm = {"ground_truth": "4", "style": "rule"}
+    rows = [
+        {"raw_prompt": messages, "reward_model": rm, "data_source": "openai/gsm8k"},
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": rm, "data_source": "math_dapo"},
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": rm},  # no data_source
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": rm, "data_source": None},
+        {"raw_prompt": copy.deepcopy(messages), "reward_model": rm, "data_source": "openai/gsm8k"},
+    ]
+    records, indices = dataset_records(rows)
+    assert [indices[r.id] for r in records] == [[0, 4], [1], [2, 3]]
+    assert [r.meta["data_source"] for r in records] == ["openai/gsm8k", "math_dapo", None]
+    assert len({r.id for r in records}) == 3
+    assert row_key(messages, "4", "openai/gsm8k") != row_key(messages, "4", "math_dapo")
+    assert row_key(messages, "4", "openai/gsm8k") != row_key(messages, "4", None)
+    # the id scheme before this one (no data_source) never collides with this one's ids
+    assert no_source_key(messages, "4") not in {r.id for r in records}
+    assert ROW_KEY != "sha256(raw_prompt, reward_model.ground_truth)" and "data_source" in ROW_KEY
+
+    # the training side (a batch's fields, as verl's non_tensor_batch holds them) agrees
+    raw = [r["raw_prompt"] for r in rows]
+    gold = [r["reward_model"] for r in rows]
+    sources = np.array(["openai/gsm8k", "math_dapo", None, None, "openai/gsm8k"], dtype=object)
+    assert row_keys(raw, gold, sources) == [records[i].id for i in (0, 1, 2, 2, 0)]
+    # a batch with no data_source field keys its rows as dataset rows without one
+    assert row_keys(raw[2:4], gold[2:4], None) == [records[2].id] * 2
+    assert row_keys(raw[:1], gold[:1], None) != [records[0].id]
+    with pytest.raises(ValueError, match="2 raw_prompt but 1 data_source"):
+        row_keys(raw[:2], gold[:2], ["openai/gsm8k"])
+    with pytest.raises(ValueError, match=r"data_source holds a object: .*data_source too"):
+        dataset_records([{"raw_prompt": messages, "reward_model": rm, "data_source": object()}])

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
-from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.config import TrainConfig, _changed, _no_effect
 from anchor_rl.trainer.critic_config import CriticConfig
 from anchor_rl.trainer.section import Section
 from anchor_rl.trainer.v05_config import V05Config
@@ -224,6 +224,12 @@ _ANCHOR_FIELDS = ("m", "presample_batch", "anchor_key", "reference")
 """The ``pvpo`` knobs an anchor-based V0.5 prior reads (presampling of its anchors)."""
 
 
+_TOP_UP_FIELDS = ("cost", "top_up_rounds")
+"""V0.5's knobs that only the adaptive budget reads."""
+_LAMBDA_FIELDS = ("lam_alpha", "lam_min")
+"""VAPO's knobs that only the length-adaptive policy lambda reads."""
+
+
 def unread_knobs(method: MethodConfig) -> list[str]:
     """The knobs of ``method`` set away from their defaults in a section the chosen method
     does not read (``pvpo.teacher`` with ``method=v05``, ``v05.*`` with ``method=pvpo``, ...),
@@ -265,6 +271,19 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
             f"{', '.join(unread)} set with anchor_rl.method={name}, which does not read them "
             f"(it reads {reads}): drop them or set them to their defaults"
         )
+    # knobs of the chosen method's own section that its other settings switch off (anchor-rl's
+    # trainer refuses the same, trainer.config.combination_errors)
+    v05, vapo = method.v05, method.vapo
+    if name == "v05" and v05.budget != "adaptive" and (names := _changed(v05, _TOP_UP_FIELDS)):
+        why = "they size top-ups: set anchor_rl.v05.budget=adaptive"
+        raise ValueError(_no_effect("anchor_rl.v05", names, why))
+    if (
+        name == "vapo"
+        and vapo.policy_lam != "adaptive"
+        and (names := _changed(vapo, _LAMBDA_FIELDS))
+    ):
+        why = "they shape the length-adaptive lambda: set anchor_rl.vapo.policy_lam=adaptive"
+        raise ValueError(_no_effect("anchor_rl.vapo", names, why))
     estimator = select(cfg, "algorithm.adv_estimator")
     if estimator != ESTIMATORS[name]:
         raise ValueError(
