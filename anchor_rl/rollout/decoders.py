@@ -452,7 +452,8 @@ class StaticDecoder:
                 else:  # the prefill: its [n, K] mask broadcast over the heads, not copied
                     scores = torch.bmm(q, k_seen).view(b, heads, n, end)
                     scores = scores.mul_(self.scaling).add_(bias).view(b * kv_heads, -1, end)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+                probs = probs if probs.dtype == scores.dtype else probs.to(scores.dtype)
                 out = torch.bmm(probs, v_seen)
             out = out.view(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
             hidden = layer.finish(hidden, out)
