@@ -24,7 +24,7 @@ from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.anchors.keys import AnchorKey
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.integrations.verl.config import MethodConfig
-from anchor_rl.integrations.verl.data import ROW_KEY, row_key
+from anchor_rl.integrations.verl.data import ROW_KEY, dataset_records, row_key
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
 from anchor_rl.integrations.verl.trainer import (
     AnchorRLTrainer,
@@ -42,7 +42,9 @@ PROMPTS = [
 ANCHOR_REWARDS = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
 GOLD = "x"
 """Every PROMPTS row's reward_model.ground_truth."""
-KEYS = [row_key(p, GOLD) for p in PROMPTS]
+SOURCE = "openai/gsm8k"
+"""Every PROMPTS row's data_source (it picks verl's reward function)."""
+KEYS = [row_key(p, GOLD, SOURCE) for p in PROMPTS]
 
 
 def compose_config(method: str, *overrides: str):
@@ -83,7 +85,10 @@ def trainer_for(method: str, anchors: tuple[str, str], *overrides: str) -> Ancho
     }[method]
     cfg = compose_config(method, f"anchor_rl.store={store}", *reads, *overrides)
     trainer = AnchorRLTrainer(cfg)
-    rows = [{"raw_prompt": p, "reward_model": {"ground_truth": GOLD}} for p in PROMPTS]
+    rows = [
+        {"raw_prompt": p, "reward_model": {"ground_truth": GOLD}, "data_source": SOURCE}
+        for p in PROMPTS
+    ]
     trainer.state = prepare_method(trainer.method_cfg, rows).state
     return trainer
 
@@ -104,6 +109,7 @@ def trajectories(seed: int, per_prompt=(3, 4, 2), values: bool = False) -> list[
                 "uid": f"uid{p}",
                 "raw_prompt": PROMPTS[p],
                 "reward_model": {"ground_truth": GOLD, "style": "rule"},
+                "data_source": SOURCE,
                 "prompts": torch.arange(3 + p),
                 "responses": torch.randint(5, 50, (length,), generator=g),
                 "response_mask": mask,
@@ -116,7 +122,7 @@ def trajectories(seed: int, per_prompt=(3, 4, 2), values: bool = False) -> list[
     return out
 
 
-PER_PROMPT = ["uid", "raw_prompt", "reward_model", "response_mask", "rm_scores"]
+PER_PROMPT = ["uid", "raw_prompt", "reward_model", "data_source", "response_mask", "rm_scores"]
 """The fields the per-prompt methods' advantage stage reads."""
 
 
@@ -125,7 +131,7 @@ def as_dataproto(rows: list[tuple[str, dict]], names: list[str]) -> DataProto:
     td = list_of_dict_to_tensordict([fields for _, fields in rows]).select(*names)
     non_tensor = {
         name: object_array(td.pop(name).tolist())
-        for name in ("uid", "raw_prompt", "reward_model")
+        for name in ("uid", "raw_prompt", "reward_model", "data_source")
         if name in names
     }
     data = DataProto(batch=td.to_padded_tensor())
@@ -318,23 +324,37 @@ def test_vapo_state_needs_no_anchors_and_pvpo_refuses_unknown_prompts(anchors) -
     assert isinstance(MethodState(trainer_for("vapo", anchors).method_cfg), MethodState)
 
 
-def test_rows_with_the_same_messages_and_another_gold_get_their_own_anchor(tmp_path) -> None:
-    """Two questions worded alike: the reference's answer matches one gold (V_sta 1) and never
-    the other (V_sta 0). Each is presampled against its own gold and each batch row finds
-    its own anchor, with PVPO and with V0.5's anchor prior."""
+def test_rows_with_the_same_messages_and_another_gold_or_source_get_their_own_anchor(
+    tmp_path,
+) -> None:
+    """Three rows with the same messages: two questions worded alike under one data source,
+    whose golds the reference's answer matches (V_sta 1) and never matches (V_sta 0), and
+    the first question under another data source whose reward function accepts nothing
+    (V_sta 0; verl picks the function by data_source). Each is presampled as its own
+    record, and each batch row finds its own anchor, with PVPO and with V0.5's anchor
+    prior: the presampled ids are the keys the advantage step computes."""
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    golds = ["4", "no answer reaches this"]
+    golds = ["4", "no answer reaches this", "4"]
+    sources = ["lenient", "lenient", "strict"]
     rows = [
-        {"raw_prompt": copy.deepcopy(messages), "reward_model": {"ground_truth": g}} for g in golds
+        {
+            "raw_prompt": copy.deepcopy(messages),
+            "reward_model": {"ground_truth": g},
+            "data_source": d,
+        }
+        for g, d in zip(golds, sources, strict=True)
     ]
 
     def sampler(records, n, first, seed):  # the reference always answers "4"
-        scored.extend(r.answer for r in records)
-        rewards = torch.tensor([[float(r.answer == "4")] * n for r in records], dtype=torch.float64)
+        scored.extend((r.answer, r.meta["data_source"]) for r in records)
+        rewards = torch.tensor(
+            [[float(r.answer == "4" and r.meta["data_source"] != "strict")] * n for r in records],
+            dtype=torch.float64,
+        )
         return rewards, rewards >= 1.0
 
-    # a step: group 0 (gold "4") 3 rollouts, group 1 (the impossible gold) 2, all scored 0/1
-    outcomes = [[1.0, 1.0, 0.0], [0.0, 0.0]]
+    # a step: group 0 3 rollouts, groups 1 and 2 two each, all scored 0/1
+    outcomes = [[1.0, 1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]
     batch = []
     for g, rewards in enumerate(outcomes):
         for s, r in enumerate(rewards):
@@ -342,6 +362,7 @@ def test_rows_with_the_same_messages_and_another_gold_get_their_own_anchor(tmp_p
                 "uid": f"uid{g}",
                 "raw_prompt": copy.deepcopy(messages),
                 "reward_model": {"ground_truth": golds[g], "style": "rule"},
+                "data_source": sources[g],
                 "response_mask": torch.ones(2, dtype=torch.int64),
                 "rm_scores": torch.tensor([0.0, r]),
             }
@@ -354,18 +375,21 @@ def test_rows_with_the_same_messages_and_another_gold_get_their_own_anchor(tmp_p
         ("pvpo", {"pvpo": {"m": 4, "group_sampling": False}}),
         ("v05", {"pvpo": {"m": 4}, "v05": {"prior": "anchor"}}),
     ]:
-        scored: list[str] = []
+        scored: list[tuple[str, str]] = []
         store = str(tmp_path / f"{method}.db")
         cfg = MethodConfig.from_verl({"anchor_rl": {"method": method, "store": store, **node}})
         key = AnchorKey(model="ref", tokenizer="tok", task="same-messages")
         state = prepare_method(cfg, rows, None, key, sampler).state
-        assert sorted(scored) == sorted(golds)  # both rows presampled, each against its gold
-        assert sorted(stat.mean for stat in state.anchors.values()) == [0.0, 1.0]
+        # all three rows presampled, each against its own gold and data source
+        assert sorted(scored) == sorted(zip(golds, sources, strict=True))
+        assert sorted(stat.mean for stat in state.anchors.values()) == [0.0, 0.0, 1.0]
+        expected_keys = [row_key(messages, g, d) for g, d in zip(golds, sources, strict=True)]
+        assert sorted(state.anchors) == sorted(expected_keys)
 
         data = as_dataproto(batch, PER_PROMPT)
         state.advantage_step(data, algo, 3)
         mask = padded(batch, "response_mask").float()
-        v_sta = torch.tensor([1.0, 0.0])  # per group: the reference solves "4" only
+        v_sta = torch.tensor([1.0, 0.0, 0.0])  # per group: only "4" under "lenient" is solved
         if method == "pvpo":
             baseline = v_sta[group]
         else:
@@ -373,7 +397,46 @@ def test_rows_with_the_same_messages_and_another_gold_get_their_own_anchor(tmp_p
             baseline = fuse_groups(rewards, group, v_sta, vc).baseline.float()[group]
         expected = (rewards - baseline).unsqueeze(-1) * mask
         torch.testing.assert_close(data.batch["advantages"], expected)
-        assert data.batch["advantages"][-1].abs().sum() == 0  # r = 0 against its V_sta 0
+        assert data.batch["advantages"][3:5].abs().sum() == 0  # r = 0 against its V_sta 0
+        if method == "pvpo":  # group 2 ("strict"): not group 0's anchor although same gold
+            torch.testing.assert_close(data.batch["advantages"][5:, -1], torch.tensor([1.0, 0.0]))
+
+
+def test_a_batch_without_data_source_keys_as_presampled_rows_without_one(tmp_path) -> None:
+    """Dataset rows without a data_source field are presampled under data_source None, and a
+    batch without the field finds those anchors; the same rows in a batch that names a
+    data source are other prompts (no anchor)."""
+    rows = [{"raw_prompt": p, "reward_model": {"ground_truth": GOLD}} for p in PROMPTS]
+    records, _ = dataset_records(rows)
+    assert [r.id for r in records] == [row_key(p, GOLD, None) for p in PROMPTS]
+    assert set(KEYS).isdisjoint(r.id for r in records)  # the SOURCE rows are other anchors
+
+    def sampler(records, n, first, seed):  # the reference: ANCHOR_REWARDS by prompt
+        rewards = torch.tensor(
+            [ANCHOR_REWARDS[r.meta["row"]][:n] for r in records], dtype=torch.float64
+        )
+        return rewards, rewards >= 1.0
+
+    cfg = MethodConfig.from_verl({"anchor_rl": {
+        "method": "pvpo", "store": str(tmp_path / "anchors.db"),
+        "pvpo": {"m": 4, "group_sampling": False},
+    }})  # fmt: skip
+    key = AnchorKey(model="ref", tokenizer="tok", task="no-source")
+    state = prepare_method(cfg, rows, None, key, sampler).state
+    algo = OmegaConf.create({"gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True})
+
+    batch = trajectories(8)
+    names = [n for n in PER_PROMPT if n != "data_source"]
+    data = as_dataproto(batch, names)
+    assert "data_source" not in data.non_tensor_batch
+    state.advantage_step(data, algo, 8)
+    rewards = padded(batch, "rm_scores").sum(-1)
+    anchor = torch.tensor([sum(ANCHOR_REWARDS[int(f["uid"][-1])]) / 4 for _, f in batch])
+    expected = pvpo(rewards, anchor).unsqueeze(-1) * padded(batch, "response_mask")
+    torch.testing.assert_close(data.batch["advantages"], expected)
+
+    with pytest.raises(KeyError, match="no anchor"):  # batch rows under data_source SOURCE
+        state.advantage_step(as_dataproto(batch, PER_PROMPT), algo, 8)
 
 
 def test_a_batch_without_the_gold_answer_is_refused(anchors) -> None:

@@ -3,12 +3,15 @@
 Anchors are keyed by row *content*: the SHA-256 of the canonical JSON of a row's
 ``raw_prompt`` (the chat messages verl's dataset yields and its agent loop renders)
 together with its ``reward_model.ground_truth`` (the gold answer verl's reward function
-scores against), :func:`row_key`. The same row therefore finds its anchor whatever its
-position in the dataset, its ``uid`` (a fresh uuid per step) or the process that sampled
-it; two rows with the same messages and the same gold share one anchor, and two rows with
-the same messages but different golds (two questions worded alike, or a corrected answer)
-get one each, as anchor-rl's own records (prompt and answer) do. Prompts must be text: an
-image or video part is refused.
+scores against) and its ``data_source`` (which picks that reward function: verl's
+``default_compute_score(data_source, solution_str, ground_truth, extra_info)``),
+:func:`row_key`. The same row therefore finds its anchor whatever its position in the
+dataset, its ``uid`` (a fresh uuid per step) or the process that sampled it; two rows with
+the same messages, gold and data source share one anchor, and two rows that differ in
+their gold (two questions worded alike, or a corrected answer) or in their data source
+(the same question scored by another function) get one each, as anchor-rl's own records
+(prompt and answer, under a reward-specific store key) do. Prompts must be text: an image
+or video part is refused.
 
 No verl import here.
 """
@@ -103,32 +106,47 @@ GOLD_JSON = (
     "(a string, number, list or mapping)"
 )
 
-NO_GOLD = (
-    "the anchor_rl trainer keys anchors and the V0.5 prior by raw_prompt and "
-    "reward_model.ground_truth; give every row a reward_model field (verl's reward managers "
-    "read reward_model.ground_truth too)"
+SOURCE_JSON = (
+    "the anchor_rl trainer keys anchors by the row's data_source too (it picks verl's reward "
+    "function), which must be JSON data (a string, as verl's datasets write it)"
 )
 
-ROW_KEY = "sha256(raw_prompt, reward_model.ground_truth)"
+NO_GOLD = (
+    "the anchor_rl trainer keys anchors and the V0.5 prior by raw_prompt, "
+    "reward_model.ground_truth and data_source; give every row a reward_model field "
+    "(verl's reward managers read reward_model.ground_truth too)"
+)
+
+ROW_KEY = "sha256(raw_prompt, reward_model.ground_truth, data_source)"
 """What the anchors' ids are made of (:func:`row_key`), written into the presample key so
-anchors stored under another id scheme are never looked up under this one."""
+anchors stored under another id scheme are never looked up under this one. It names the
+``data_source`` since anchor ids include it: anchors stored under the earlier
+``sha256(raw_prompt, reward_model.ground_truth)`` ids (no data source) sit under another
+presample key and are sampled again, never reused for a row whose data source picks
+another reward function."""
 
 
-def row_key(raw_prompt: Any, gold: Any) -> str:
+def row_key(raw_prompt: Any, gold: Any, data_source: Any) -> str:
     """The key of a verl row's anchor: 32 hex characters of the SHA-256 of the canonical JSON
-    of ``{"raw_prompt": raw_prompt, "ground_truth": gold}`` (``gold`` as
-    :func:`ground_truth` reads it, None for a row without one).
+    of ``{"raw_prompt": raw_prompt, "ground_truth": gold, "data_source": data_source}``
+    (``gold`` as :func:`ground_truth` reads it, None for a row without one;
+    ``data_source`` the row's top-level ``data_source`` field, None for a row or batch
+    without one).
 
     The same messages with another gold answer are another question for verl's reward (it
-    scores against the gold), so they get another anchor; the same messages with the same
-    gold share one. Text-only prompts (a ValueError for an image or video part, or any value
-    JSON cannot hold, :func:`_check_text_only`); the gold must be JSON data
+    scores against the gold), and the same messages and gold with another data source are
+    scored by another function (verl's reward managers pick it by ``data_source``), so
+    either gets another anchor; the same messages, gold and data source share one.
+    Text-only prompts (a ValueError for an image or video part, or any value JSON cannot
+    hold, :func:`_check_text_only`); the gold and the data source must be JSON data
     (a string, number, list, mapping or None), else a ValueError."""
     raw = plain(raw_prompt)
     _check_text_only(raw)
     gold = plain(gold)
     _check_text_only(gold, "reward_model.ground_truth", GOLD_JSON, parts_too=False)
-    payload = canonical_json({"raw_prompt": raw, "ground_truth": gold})
+    source = plain(data_source)
+    _check_text_only(source, "data_source", SOURCE_JSON, parts_too=False)
+    payload = canonical_json({"raw_prompt": raw, "ground_truth": gold, "data_source": source})
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -142,16 +160,30 @@ def ground_truth(reward_model: Any) -> Any:
     return node.get("ground_truth")
 
 
-def row_keys(raw_prompts: Sequence[Any], reward_models: Sequence[Any] | None) -> list[str]:
-    """:func:`row_key` of each row of a batch, from its ``raw_prompt`` and ``reward_model``
-    fields. ``reward_models`` None (the batch has no such field) is a KeyError: keying these
-    rows by their prompt alone would look up other anchors than the ones presampled."""
+def row_keys(
+    raw_prompts: Sequence[Any],
+    reward_models: Sequence[Any] | None,
+    data_sources: Sequence[Any] | None,
+) -> list[str]:
+    """:func:`row_key` of each row of a batch ``[B]``, from its ``raw_prompt[B]``,
+    ``reward_model[B]`` and ``data_source[B]`` fields.
+
+    ``reward_models`` None (the batch has no such field) is a KeyError: keying these rows by
+    their prompt alone would look up other anchors than the ones presampled.
+    ``data_sources`` None (the batch has no such field) keys every row with data source
+    None, as :func:`dataset_records` keys a dataset row without one; a length other than
+    B is a ValueError."""
     if reward_models is None:
         raise KeyError(f"this batch has no reward_model field: {NO_GOLD}")
     if len(raw_prompts) != len(reward_models):
         raise ValueError(f"{len(raw_prompts)} raw_prompt but {len(reward_models)} reward_model")
+    if data_sources is None:
+        data_sources = [None] * len(raw_prompts)
+    elif len(data_sources) != len(raw_prompts):
+        raise ValueError(f"{len(raw_prompts)} raw_prompt but {len(data_sources)} data_source")
     return [
-        row_key(raw, ground_truth(rm)) for raw, rm in zip(raw_prompts, reward_models, strict=True)
+        row_key(raw, ground_truth(rm), source)
+        for raw, rm, source in zip(raw_prompts, reward_models, data_sources, strict=True)
     ]
 
 
@@ -168,13 +200,16 @@ def field_value(row: Mapping[str, Any], path: str) -> Any:
 def dataset_records(
     rows: Iterable[Mapping[str, Any]], solution_field: str | None = None
 ) -> tuple[list[Record], dict[str, list[int]]]:
-    """One :class:`Record` per distinct (prompt, gold answer) of ``rows`` (verl dataset
-    items), and the row indices of each key.
+    """One :class:`Record` per distinct (prompt, gold answer, data source) of ``rows`` (verl
+    dataset items), and the row indices of each key.
 
-    ``Record.id`` is :func:`row_key` (messages and ``reward_model.ground_truth``), ``prompt``
-    the canonical JSON of the messages, ``answer`` the gold; ``meta["solution"]`` the value
-    at ``solution_field`` (the field teacher's trace) when given. A row without a
-    ``reward_model`` field is a KeyError (:func:`row_keys`).
+    ``Record.id`` is :func:`row_key` (messages, ``reward_model.ground_truth`` and the row's
+    ``data_source``, None where the row has no such field: the key :func:`row_keys` gives
+    the same row in a training batch), ``prompt`` the canonical JSON of the messages,
+    ``answer`` the gold, ``meta["row"]`` the first row's index and ``meta["data_source"]``
+    its data source; ``meta["solution"]`` the value at ``solution_field`` (the field
+    teacher's trace) when given. A row without a ``reward_model`` field is a KeyError
+    (:func:`row_keys`).
     """
     records: dict[str, Record] = {}
     indices: dict[str, list[int]] = {}
@@ -184,11 +219,12 @@ def dataset_records(
         if "reward_model" not in row:
             raise KeyError(f"training row {i} has no reward_model field: {NO_GOLD}")
         gold = ground_truth(row["reward_model"])
-        key = row_key(raw, gold)
+        source = plain(row.get("data_source"))
+        key = row_key(raw, gold, source)
         indices.setdefault(key, []).append(i)
         if key in records:
             continue
-        meta: dict[str, Any] = {"row": i}
+        meta: dict[str, Any] = {"row": i, "data_source": source}
         if solution_field is not None:
             meta["solution"] = field_value(row, solution_field)
         records[key] = Record(id=key, prompt=canonical_json(raw), answer=str(gold), meta=meta)
@@ -247,7 +283,8 @@ def presample_key(
     (:func:`fingerprint_reference`), the tokenizer, the rollout's sampling settings, what
     defines the task (training files, reward function, correctness threshold) and what the
     anchors' ids are made of (:data:`ROW_KEY`: anchors an older version stored under
-    prompt-only ids sit under another digest and are sampled again, never half-reused)."""
+    other ids, the messages alone or without the data source, sit under another digest and
+    are sampled again, never half-reused)."""
     return AnchorKey(
         model=reference,
         tokenizer=fingerprint_tokenizer(tokenizer),

@@ -6,8 +6,10 @@ trainer builds in its advantage stage: ``batch`` holds ``token_level_scores[B, T
 reward, outcome on the last response token), ``token_level_rewards[B, T]`` (the same, minus
 the KL penalty when it is in the reward), ``response_mask[B, T]`` and, with a critic,
 ``values[B, T]``; ``non_tensor_batch`` holds ``uid[B]`` (one uuid per prompt and step) and,
-for the per-prompt methods, ``raw_prompt[B]`` and ``reward_model[B]`` (the chat messages and
-the gold answer: the row key, :func:`~.data.row_key`).
+for the per-prompt methods, ``raw_prompt[B]``, ``reward_model[B]`` and, where the dataset
+has it, ``data_source[B]`` (the chat messages, the gold answer and the name that picks
+verl's reward function: the row key, :func:`~.data.row_key`; no ``data_source`` keys every
+row with None, as presampling keys a dataset row without one).
 
 Every number comes from anchor-rl: PVPO's ``r - V_sta`` and V0.5's ``r - b`` through the
 estimators registered with verl (:mod:`.estimators`, which call :mod:`anchor_rl.algos`),
@@ -71,7 +73,8 @@ def first_rows(group: Tensor, groups: int) -> list[int]:
 class V05Plan:
     """V0.5's state between a step's sampling (top-ups) and its advantage stage.
 
-    uids, keys: the step's prompts ``[G]`` (uid, row key: messages and gold answer). prior:
+    uids, keys: the step's prompts ``[G]`` (uid, row key: messages, gold answer and data
+    source). prior:
     the prior's prediction ``[G]`` before any rollout of the step. first: the fusion on the
     first ``rollout.n`` rollouts. rounds: top-up rounds run.
     """
@@ -86,9 +89,9 @@ class V05Plan:
 class MethodState:
     """What the ``anchor_rl`` trainer keeps between steps.
 
-    anchors: row key (:func:`~.data.row_key`: messages and gold answer) -> the reference's
-        statistics (PVPO's ``V_sta`` is their mean), for the methods that read them; None
-        otherwise. anchor_key: the store digest they are under.
+    anchors: row key (:func:`~.data.row_key`: messages, gold answer, data source) -> the
+        reference's statistics (PVPO's ``V_sta`` is their mean), for the methods that read
+        them; None otherwise. anchor_key: the store digest they are under.
     trajectories: row key -> teacher trajectory (PVPO's group sampling).
     prior: V0.5's prior (learns every step's rewards; checkpointed).
     """
@@ -169,14 +172,15 @@ class MethodState:
         group, order = group_index([uids[r] for r in rows])
         if "raw_prompt" not in nt:
             raise KeyError(
-                f"anchor_rl.method={method} keys its baselines by raw_prompt[B] and "
-                "reward_model[B] (the gold answer)"
+                f"anchor_rl.method={method} keys its baselines by raw_prompt[B], "
+                "reward_model[B] (the gold answer) and data_source[B]"
             )
         firsts = [rows[r] for r in first_rows(group, len(order))]
-        gold = nt.get("reward_model")
+        gold, source = nt.get("reward_model"), nt.get("data_source")
         keys = row_keys(
             [nt["raw_prompt"][r] for r in firsts],
             None if gold is None else [gold[r] for r in firsts],
+            None if source is None else [source[r] for r in firsts],
         )
         if method == "pvpo":
             per_group = self.anchor_of(keys)

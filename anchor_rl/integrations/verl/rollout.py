@@ -180,7 +180,7 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
     fields = tq.kv_batch_get(
         keys=batch.keys,
         partition_id=batch.partition_id,
-        select_fields=["uid", "rm_scores", "raw_prompt", "reward_model"],
+        select_fields=["uid", "rm_scores", "raw_prompt", "reward_model", "data_source"],
     )
     uids = [str(u) for u in as_list(fields["uid"])]
     multi = [k for k in batch.keys if _session(k)[1] > 0]
@@ -193,9 +193,14 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
     group, order = group_index(uids)
     raw = as_list(fields["raw_prompt"])
     gold = as_list(fields["reward_model"]) if "reward_model" in fields else None
+    source = as_list(fields["data_source"]) if "data_source" in fields else None
     first = {g: r for r, g in reversed(list(enumerate(group.tolist())))}
     rows = [first[g] for g in range(len(order))]
-    keys = row_keys([raw[r] for r in rows], None if gold is None else [gold[r] for r in rows])
+    keys = row_keys(
+        [raw[r] for r in rows],
+        None if gold is None else [gold[r] for r in rows],
+        None if source is None else [source[r] for r in rows],
+    )
     plan = state.v05_plan(order, keys, rewards, group)
     if vc.budget != "adaptive":
         return batch

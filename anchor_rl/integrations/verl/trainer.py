@@ -134,10 +134,10 @@ def prepare_method(
     if missing:
         raise KeyError(
             f"{len(missing)} of {len(ids)} training prompts have no anchor under {digest} in "
-            f"{store.path} (anchors are keyed by the prompt's messages and its "
-            "reward_model.ground_truth; anchors stored by a version that keyed them by the "
-            "messages alone do not count); presample them (drop anchor_rl.pvpo.anchor_key) or "
-            "point it at their key"
+            f"{store.path} (anchors are keyed by the prompt's messages, its "
+            "reward_model.ground_truth and its data_source; anchors stored by a version that "
+            "keyed them by the messages alone, or without the data_source, do not count); "
+            "presample them (drop anchor_rl.pvpo.anchor_key) or point it at their key"
         )
     kept, filtered, trajectories = None, None, {}
     if cfg.group_sampling:
@@ -309,7 +309,8 @@ class AnchorRLTrainer(PPOTrainerSync):
             loop = str(self.config.actor_rollout_ref.rollout.agent.default_agent_loop)
             payloads, names = [], []
             gold = as_list(batch["reward_model"]) if "reward_model" in batch else None
-            for key in row_keys(as_list(batch["raw_prompt"]), gold):
+            source = as_list(batch["data_source"]) if "data_source" in batch else None
+            for key in row_keys(as_list(batch["raw_prompt"]), gold, source):
                 traj = self.state.trajectories.get(key)
                 payloads.append(
                     {}
@@ -398,13 +399,13 @@ class AnchorRLTrainer(PPOTrainerSync):
             "values",
         ]
         if method != "vapo":
-            fields += ["raw_prompt", "reward_model", "extra_fields"]
+            fields += ["raw_prompt", "reward_model", "data_source", "extra_fields"]
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
         )
         response_mask = data["response_mask"]
         non_tensor = {}
-        for name in ("uid", "raw_prompt", "reward_model", "extra_fields"):
+        for name in ("uid", "raw_prompt", "reward_model", "data_source", "extra_fields"):
             if name in data:
                 non_tensor[name] = object_array([plain(x) for x in as_list(data.pop(name))])
         data = DataProto(batch=data.to_padded_tensor())
