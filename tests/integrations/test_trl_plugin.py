@@ -1,8 +1,9 @@
 """The TRL plug-in (anchor_rl.integrations.trl) on the CPU with the tiny random model and the
 parity task: training steps run, the advantages are anchor_rl.algos' on the same rewards
 and anchors (or priors), group sampling filters the dataset, teacher rows enter for the
-accuracy-0 prompts with log pi_gt as their old log-probs in every TRL setting, errors name
-the field, and the TRL version pin holds."""
+accuracy-0 prompts with log pi_gt as their old log-probs in every TRL setting, PVPO's
+anchors are refreshed every K optimizer steps and a resumed run keeps (and re-finds) them,
+errors name the field, and the TRL version pin holds."""
 
 from __future__ import annotations
 
@@ -24,8 +25,14 @@ from helpers import ParityTask
 import anchor_rl.integrations.trl as plugin
 from anchor_rl.algos import advantages as algos
 from anchor_rl.algos import v05 as v05_algos
-from anchor_rl.anchors.keys import task_identity
-from anchor_rl.anchors.presample import presample_key, task_params
+from anchor_rl.anchors.keys import fingerprint_model, task_identity
+from anchor_rl.anchors.presample import (
+    RolloutSampler,
+    presample_key,
+    refresh_anchors,
+    refresh_key,
+    task_params,
+)
 from anchor_rl.anchors.priors import HistoryPrior
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
 from anchor_rl.errors import AnchorRLError, ConfigError
@@ -40,6 +47,7 @@ from anchor_rl.integrations.trl import (
 )
 from anchor_rl.integrations.trl.trainers import TEACHER_KEY
 from anchor_rl.models.factory import build_model
+from anchor_rl.rollout.engine import make_engine
 from anchor_rl.rollout.types import SamplingParams
 
 M, K, MAX_NEW = 4, 4, 8
@@ -55,6 +63,10 @@ CLASSES = {
 }
 """The reference's presampled rewards per prompt (stored before the trainer is built)."""
 ANCHOR = {pid: sum(r) / len(r) for pid, r in CLASSES.items()}
+KEPT = {f"train-{i}" for i in range(2, 8)}
+"""The prompts group sampling keeps of CLASSES: the training prompts."""
+PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)
+"""The sampling settings of grpo_args (those the anchors are sampled with)."""
 
 
 def grpo_args(tmp_path: Path, **changes: Any) -> trl.GRPOConfig:
@@ -68,11 +80,17 @@ def grpo_args(tmp_path: Path, **changes: Any) -> trl.GRPOConfig:
     return trl.GRPOConfig(**(kwargs | changes))
 
 
+def anchor_key(model: Any, tokenizer: Any, task: ParityTask, seed: int = 0):
+    """The key `anchor-rl presample --temperature 1 --max-new-tokens 8 --seed SEED` gives this
+    model (its weights now) on the task."""
+    params = task_params(PARAMS, task)
+    return presample_key(model, tokenizer, params, task_identity("parity", task, {}), seed=seed)
+
+
 def fill_store(path: Path, model: Any, tokenizer: Any, task: ParityTask, seed: int = 0) -> Path:
     """Store CLASSES under the key `anchor-rl presample --temperature 1 --max-new-tokens 8
     --seed SEED` gives this model on the task: the trainer must find them and sample nothing."""
-    params = task_params(SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW), task)
-    key = presample_key(model, tokenizer, params, task_identity("parity", task, {}), seed=seed)
+    key = anchor_key(model, tokenizer, task, seed)
     rewards = torch.tensor(list(CLASSES.values()), dtype=torch.float64)
     with AnchorStore(path) as store:
         store.add_rollouts(key, list(CLASSES), rewards, rewards.bool())
@@ -92,6 +110,42 @@ def record(trainer: Any) -> list[tuple[list[dict[str, Any]], dict[str, Any], Any
 
     trainer._generate_and_score_completions = wrapped
     return seen
+
+
+def record_steps(trainer: Any) -> list[tuple[int, str]]:
+    """Every training generation batch: (``state.global_step`` when it is made, the policy's
+    weight fingerprint then)."""
+    seen: list[tuple[int, str]] = []
+    original = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        seen.append((trainer.state.global_step, fingerprint_model(policy)))
+        return original(inputs)
+
+    trainer._generate_and_score_completions = wrapped
+    return seen
+
+
+def logged(trainer: Any, key: str, after: int = 0) -> list[float]:
+    """The values of metric ``key`` in the trainer's log history after step ``after`` (a resumed
+    run's history holds its checkpoint's), in order."""
+    return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after]
+
+
+def check_advantages(batch: tuple, anchors: dict[str, float], task, tokenizer) -> list[str]:
+    """Assert a generation batch's advantages are r - anchor (r recomputed from its tokens);
+    its prompt ids."""
+    inputs, output, _ = batch
+    ids = [row["prompt_id"] for row in inputs]
+    rewards = task_rewards(output, ids, task, tokenizer)
+    expected = algos.pvpo(rewards, torch.tensor([anchors[i] for i in ids]))
+    torch.testing.assert_close(output["advantages"], expected)
+    return ids
+
+
+def means(stats: dict[str, Any]) -> dict[str, float]:
+    return {pid: stat.mean for pid, stat in stats.items()}
 
 
 def completion_tokens(output: dict[str, Any], row: int) -> list[int]:
@@ -190,6 +244,173 @@ def test_pvpo_presamples_a_prompt_on_its_first_use(
         anchor = torch.tensor([stored[i].mean for i in ids])
         rewards = task_rewards(output, ids, task, tokenizer)
         torch.testing.assert_close(output["advantages"], algos.pvpo(rewards, anchor))
+
+
+def test_pvpo_refreshes_the_anchors_every_k_optimizer_steps(
+    tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    base = anchor_key(model, tokenizer, task)
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path, max_steps=5), processing_class=tokenizer,
+        task=task, pvpo={"m": M, "store": str(store), "refresh_every": 2}, progress=False,
+    )  # fmt: skip
+    batches, steps = record(trainer), record_steps(trainer)
+    trainer.train()
+    assert [step for step, _ in steps] == [0, 1, 2, 3, 4]  # one generation batch per step
+    with AnchorStore(store) as s:
+        refreshed = {k: s.get_anchors(refresh_key(base, "reference", k)) for k in (2, 4)}
+    for stats in refreshed.values():  # the training prompts, M rollouts each
+        assert set(stats) == KEPT and all(stat.n == M for stat in stats.values())
+    # The reference refresh sampled the initial weights (kept aside), not the trained policy.
+    initial = build_model("tiny", tokenizer, seed=0)
+    sampler = RolloutSampler(make_engine("hf", initial, tokenizer), task, PARAMS)
+    with AnchorStore(tmp_path / "alone.db") as alone:
+        records = [r for r in task.records("train") if r.id in KEPT]
+        again = refresh_anchors(records, sampler, alone, base, "reference", 2, M)
+    assert means(again.anchors) == means(refreshed[2])
+    # Batches made before step 2 use the presampled anchors; from step 2, step 2's; from 4, 4's.
+    moved = False
+    for batch, (step, _) in zip(batches, steps, strict=True):
+        anchors = ANCHOR if step < 2 else means(refreshed[2 if step < 4 else 4])
+        ids = check_advantages(batch, anchors, task, tokenizer)
+        moved |= any(anchors[i] != ANCHOR[i] for i in ids)
+    assert moved  # the refreshed anchors differ from the presampled ones where they were used
+    assert trainer.anchor_key == refresh_key(base, "reference", 4)
+    counts = trainer.rollout_counts()
+    assert counts["presample"] == len(CLASSES) * M and counts["presample_now"] == 0
+    assert counts["refresh"] == counts["refresh_now"] == 2 * len(KEPT) * M
+    assert counts["total"] == counts["policy"] + counts["presample"] + counts["refresh"] + 2
+    assert logged(trainer, "pvpo/refresh_sampled") == [len(KEPT) * M] * 2
+    assert len(logged(trainer, "pvpo/refresh_seconds")) == 2
+
+
+REFRESH_TIMING = {
+    # one generation batch trains 3 optimizer steps: steps 2 and 4 pass inside batches, which
+    # keep their anchors; the refreshes come with the next batches, at steps 3 and 6
+    "reused": ({"num_iterations": 3, "max_steps": 7}, [0, 3, 6], [3, 6]),
+    # one optimizer step spans 2 generation batches: step 2's refresh comes with its first, once
+    "accumulated": (
+        {
+            "per_device_train_batch_size": K,
+            "gradient_accumulation_steps": 2,
+            "steps_per_generation": 1,
+            "max_steps": 3,
+        },
+        [0, 0, 1, 1, 2, 2],
+        [2],
+    ),
+}
+"""setting -> (GRPOConfig changes, global_step of each generation batch, refresh steps) with
+pvpo.refresh_every = 2."""
+
+
+@pytest.mark.parametrize("setting", list(REFRESH_TIMING))
+def test_pvpo_refresh_comes_with_the_first_generation_batch_after_k_steps(
+    setting, tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    changes, generated, refreshes = REFRESH_TIMING[setting]
+    base = anchor_key(model, tokenizer, task)
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path, **changes), processing_class=tokenizer, task=task,
+        pvpo={"m": M, "store": str(store), "refresh_every": 2}, progress=False,
+    )  # fmt: skip
+    batches, steps = record(trainer), record_steps(trainer)
+    trainer.train()
+    assert [step for step, _ in steps] == generated
+    with AnchorStore(store) as s:
+        stored = {k: means(s.get_anchors(refresh_key(base, "reference", k))) for k in range(8)}
+    assert [k for k, rows in stored.items() if rows] == refreshes
+    assert len(logged(trainer, "pvpo/refresh_sampled")) == len(refreshes)
+    for batch, (step, _) in zip(batches, steps, strict=True):
+        last = max((k for k in refreshes if k <= step), default=None)
+        check_advantages(batch, ANCHOR if last is None else stored[last], task, tokenizer)
+
+
+def test_pvpo_policy_refresh_is_keyed_by_the_snapshot_and_a_resume_reuses_it(
+    tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    base = anchor_key(model, tokenizer, task)
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    pvpo = {"m": M, "store": str(store), "refresh_every": 2, "refresh_mode": "policy"}
+    common = {"processing_class": tokenizer, "task": task, "pvpo": pvpo, "progress": False}
+    args = grpo_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1)
+    trainer = PVPOGRPOTrainer(model=model, args=args, **common)
+    batches, steps = record(trainer), record_steps(trainer)
+    trainer.train()
+    assert [step for step, _ in steps] == [0, 1, 2, 3]
+    snapshot = steps[2][1]  # the policy's weights when the refresh at step 2 was made
+    assert snapshot not in (base.model, steps[1][1])  # the policy moved
+    key = refresh_key(base, "policy", 2, snapshot)
+    assert trainer.anchor_key == key and trainer.last_refresh["fingerprint"] == snapshot
+    with AnchorStore(store) as s:
+        refreshed = s.get_anchors(key)
+    assert set(refreshed) == KEPT and all(stat.n == M for stat in refreshed.values())
+    for batch, (step, _) in zip(batches, steps, strict=True):
+        check_advantages(batch, ANCHOR if step < 2 else means(refreshed), task, tokenizer)
+    counts = trainer.rollout_counts()
+    assert counts["refresh"] == counts["refresh_now"] == len(KEPT) * M
+
+    def resume(checkpoint: str, out: str):
+        fresh = PVPOGRPOTrainer(
+            model=build_model("tiny", tokenizer, seed=0),
+            args=grpo_args(tmp_path / out, max_steps=4), **common,
+        )  # fmt: skip
+        seen, at = record(fresh), record_steps(fresh)
+        fresh.train(resume_from_checkpoint=str(tmp_path / "out" / checkpoint))
+        return fresh, seen, at
+
+    # checkpoint-2 was saved before the refresh at step 2: the resumed run repeats it on the
+    # same weights, finds its rows in the store and samples nothing
+    again, seen, at = resume("checkpoint-2", "b")
+    assert at == steps[2:]  # the same steps, from the same weights
+    assert again.anchor_key == key
+    assert logged(again, "pvpo/refresh_sampled", after=2) == [0.0]
+    assert again.rollout_counts()["refresh_now"] == 0
+    assert again.rollout_counts() == trainer.rollout_counts() | {"refresh_now": 0}
+    for batch in seen:
+        check_advantages(batch, means(refreshed), task, tokenizer)
+    # checkpoint-3 was saved after it: the resumed run continues with the refreshed anchors
+    later, seen, at = resume("checkpoint-3", "c")
+    assert [step for step, _ in at] == [3]
+    assert later.anchor_key == key and later.last_refresh == trainer.last_refresh
+    assert means(later.anchors) == means(refreshed)
+    assert logged(later, "pvpo/refresh_sampled", after=3) == []
+    assert len(logged(later, "pvpo/anchor_mean", after=3)) == 1  # it did log its step
+    assert later.rollout_counts() == trainer.rollout_counts()
+    check_advantages(seen[0], means(refreshed), task, tokenizer)
+
+
+def test_pvpo_refresh_with_first_use_presampling_covers_the_prompts_used_so_far(
+    tmp_path, tokenizer, task, model, one_thread
+) -> None:
+    base = anchor_key(model, tokenizer, task)
+    store = tmp_path / "anchors.db"
+    trainer = PVPOGRPOTrainer(
+        model=model, args=grpo_args(tmp_path, max_steps=3), processing_class=tokenizer,
+        task=task, pvpo={"m": M, "store": str(store), "refresh_every": 1}, group_sampling=False,
+        progress=False,
+    )  # fmt: skip
+    batches = record(trainer)
+    trainer.train()
+    used = [list(dict.fromkeys(row["prompt_id"] for row in inputs)) for inputs, _, _ in batches]
+    assert [len(ids) for ids in used] == [2, 2, 2] and len({*sum(used, [])}) == 6
+    with AnchorStore(store) as s:
+        keys = [base, refresh_key(base, "reference", 1), refresh_key(base, "reference", 2)]
+        stored = [s.get_anchors(key) for key in keys]
+    # step 0 presamples its prompts; the refresh at step 1 covers them, and step 1's new
+    # prompts are presampled under its key; likewise at step 2
+    assert set(stored[0]) == set(used[0])
+    assert set(stored[1]) == {*used[0], *used[1]}
+    assert set(stored[2]) == {*used[0], *used[1], *used[2]}
+    for batch, stats in zip(batches, stored, strict=True):
+        check_advantages(batch, means(stats), task, tokenizer)
+    counts = trainer.rollout_counts()
+    assert counts["presample"] == counts["presample_now"] == 2 * M
+    assert counts["refresh"] == counts["refresh_now"] == (4 + 6) * M
+    assert logged(trainer, "pvpo/refresh_sampled") == [2 * M, 4 * M]
+    assert logged(trainer, "pvpo/presampled_now") == [2 * M] * 3
 
 
 class _Recording(dict):
@@ -403,6 +624,13 @@ def test_settings_that_cannot_work_are_refused_naming_the_field(
         PVPOGRPOTrainer(model, [lambda **_: [1.0]], args, pvpo=pvpo, **common)
     with pytest.raises(ConfigError, match=r"pvpo\.m: .*greater than 0"):
         PVPOGRPOTrainer(model, args=args, pvpo={"m": 0}, **common)
+    with pytest.raises(ConfigError, match=r"pvpo\.refresh_mode has no effect"):
+        PVPOGRPOTrainer(model, args=args, pvpo=pvpo | {"refresh_mode": "policy"}, **common)
+    with pytest.raises(ConfigError, match=r"refresh_mode='policy' with presample='first_use'"):
+        PVPOGRPOTrainer(
+            model, args=args, pvpo=pvpo | {"refresh_every": 2, "refresh_mode": "policy"},
+            group_sampling=False, **common,
+        )  # fmt: skip
     with pytest.raises(ConfigError, match=r"pvpo\.teacher_model.*without group sampling"):
         PVPOGRPOTrainer(
             model, args=args, pvpo=pvpo | {"teacher_model": "x"}, group_sampling=False, **common
@@ -534,8 +762,6 @@ def test_what_the_plugin_cannot_do_raises_not_implemented(tmp_path, tokenizer, t
     with pytest.raises(NotImplementedError, match="num_generations per prompt") as err:
         V05GRPOTrainer(model, budget="adaptive", **common)
     assert isinstance(err.value, UnsupportedFeatureError) and isinstance(err.value, AnchorRLError)
-    with pytest.raises(UnsupportedFeatureError, match="pvpo.refresh_every=50"):
-        PVPOGRPOTrainer(model, pvpo={"refresh_every": 50}, **common)
 
 
 def test_the_trl_version_pin() -> None:

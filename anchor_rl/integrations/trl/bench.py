@@ -187,7 +187,9 @@ def train_one(
         rollouts = {"policy": counted.completions, "presample": 0, "teacher": 0}
     else:
         rollouts = {k: v for k, v in trainer.rollout_counts().items() if k != "total"}
-    rollouts["total"] = rollouts["policy"] + rollouts["presample"] + rollouts["teacher"]
+    rollouts["total"] = sum(
+        rollouts.get(k, 0) for k in ("policy", "presample", "refresh", "teacher")
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     final = evaluate_model(make_engine("hf", model, tokenizer), task, cfg, cfg.steps)
     return {

@@ -8,7 +8,9 @@ Where each piece enters TRL's step (``_prepare_inputs`` generates once per
 ``steps_per_generation * num_iterations`` micro-steps and buffers the batch):
 
     _generate_and_score_completions   (ours, around super())
-        before       PVPO: presample the reference on prompts seen for the first time
+        before       PVPO: the anchor refresh when due (``pvpo.refresh_every`` optimizer
+                     steps, ``state.global_step``, have passed since the last one), then
+                     presample the reference on prompts seen for the first time
         super()      TRL: generate (our ``_generate`` below), rewards (our
                      ``_calculate_rewards`` keeps them), old/ref log-probs, its own advantages
         after        the method's advantages replace TRL's, from the same rewards:
@@ -41,6 +43,7 @@ pins the TRL releases they are tested against.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -57,9 +60,9 @@ from trl import GRPOTrainer
 
 from anchor_rl.algos.registry import compute_advantage
 from anchor_rl.anchors.filter import FilterResult
-from anchor_rl.anchors.keys import task_identity
+from anchor_rl.anchors.keys import AnchorKey, fingerprint_model, task_identity
+from anchor_rl.anchors.presample import RolloutSampler, refresh_anchors, refresh_key, task_params
 from anchor_rl.anchors.presample import presample as presample_prompts
-from anchor_rl.anchors.presample import task_params
 from anchor_rl.anchors.priors import HistoryPrior, prompt_embeddings
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
 from anchor_rl.bench.trl_compare import stop_token_ids
@@ -71,6 +74,7 @@ from anchor_rl.integrations.trl.data import (
     task_reward_function,
 )
 from anchor_rl.models.tokenizer import encode_prompt
+from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
@@ -103,7 +107,8 @@ __all__ = [
 ]
 
 STATE_FILE = "anchor_rl_trl.pt"
-"""The plug-in's state in each TRL checkpoint (rollout counts; V0.5's prior)."""
+"""The plug-in's state in each TRL checkpoint (rollout counts; PVPO's anchors in use and last
+refresh; V0.5's prior)."""
 BEHAVIOUR_KEY = "anchor_rl_behaviour_logps"
 """Batch key of the teacher rows' log pi_gt ``[n, T]`` when TRL keeps no old log-probs."""
 TEACHER_KEY = "anchor_rl_teacher_rows"
@@ -357,22 +362,22 @@ class AnchoredGRPOTrainer(GRPOTrainer):
                     )
         return ids
 
-    def _reference(self, at_start: bool) -> PreTrainedModel:
+    def _reference(self, kept_for: tuple[str, str] | None = None) -> PreTrainedModel:
         """The model the anchors are presampled with: ``reference_model``, else TRL's reference
-        (when it does not move), else the initial policy (itself at start, a frozen copy of it
-        for later presampling)."""
+        (when it does not move), else the initial policy: itself when only presampling at
+        start uses it, a frozen copy of it made now when ``kept_for = (what, fix)`` names a
+        use after training has moved the policy (first-use presampling, reference refreshes;
+        ConfigError naming ``what`` and ``fix`` for a PEFT model, which cannot be copied so)."""
         if self._explicit_reference is not None:
             return self._explicit_reference
         if self.ref_model is not None and not self.args.sync_ref_model:
             return self.accelerator.unwrap_model(self.ref_model)
         policy = self.accelerator.unwrap_model(self.model)
-        if at_start:
+        if kept_for is None:
             return policy
         if hasattr(policy, "peft_config"):
-            raise ConfigError(
-                "presample='first_use' with a PEFT model and no fixed reference: pass "
-                "reference_model=, or presample='start'"
-            )
+            what, fix = kept_for
+            raise ConfigError(f"{what} with a PEFT model and no fixed reference: {fix}")
         return _fresh_copy(policy)
 
     def _presample_start(
@@ -414,12 +419,15 @@ class AnchoredGRPOTrainer(GRPOTrainer):
 
     def rollout_counts(self) -> dict[str, int]:
         """Rollouts this trainer rests on: ``policy`` (completions generated in training,
-        those a teacher row replaced included), ``presample`` (reference rollouts the anchors
-        in use rest on, rows found in the store included), ``presample_now`` (those this
-        process sampled), ``teacher`` (teacher samples the trajectories rest on) and ``total``
-        (policy + presample + teacher)."""
+        those a teacher row replaced included), ``presample`` (reference rollouts the
+        presampled anchors rest on, rows found in the store included), ``presample_now``
+        (those the run sampled), ``teacher`` (teacher samples the trajectories rest on),
+        PVPO's ``refresh`` and ``refresh_now`` (the same for its anchor refreshes) and
+        ``total`` (policy + presample + refresh + teacher)."""
         counts = dict(self.counts)
-        counts["total"] = counts["policy"] + counts["presample"] + counts["teacher"]
+        counts["total"] = (
+            counts["policy"] + counts["presample"] + counts.get("refresh", 0) + counts["teacher"]
+        )
         return counts
 
     # --- TRL's hooks ----------------------------------------------------------------------
@@ -589,9 +597,9 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         ``$ANCHOR_RL_CACHE/anchors.db``, shared with ``anchor-rl presample`` and ``anchor-rl
         train``), the anchor seed ``presample_seed`` (part of the store key; None: 0, the
         default of ``anchor-rl presample``; set the seed of an ``anchor-rl train --preset
-        pvpo`` run to reuse its anchors), the ``teacher`` and its settings.
-        ``refresh_every`` and a number of ``prompts`` are not offered (every prompt of the
-        dataset is presampled).
+        pvpo`` run to reuse its anchors), the ``teacher`` and its settings, and the refresh
+        (``refresh_every``, ``refresh_mode``: below). A number of ``prompts`` is not offered
+        (every prompt of the dataset is presampled).
     group_sampling: drop the prompts the reference always solves from ``train_dataset``
         before training, and give the ones it never solves a teacher trajectory (dropping
         those the teacher cannot solve unless ``pvpo.keep_unsolved``). It needs every
@@ -600,10 +608,33 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         first enters a generation batch (keeping a frozen copy of the initial policy when TRL
         has no fixed reference model), ``start`` presamples every prompt before training.
 
+    Refresh (``pvpo.refresh_every = K > 0``), as in ``anchor-rl train --preset pvpo``: the
+    anchors of the training prompts are re-estimated by ``anchors.presample.refresh_anchors``
+    once K, 2K, ... optimizer steps (``state.global_step``) have passed, at the start of the
+    next generation batch (never within one), and serve every advantage from then on. The
+    refresh is keyed by the ``global_step`` it is made at (K, 2K, ... when a generation batch
+    starts there, as with TRL's default ``steps_per_generation = gradient_accumulation_steps``
+    and ``num_iterations = 1``; else the first generation batch's step after it).
+    ``refresh_mode="reference"`` samples the reference again (with no fixed reference model,
+    a frozen copy of the initial policy is kept for it); ``"policy"`` samples a frozen copy of
+    the current policy's weights, made for the refresh and dropped after it, and its store
+    key carries that copy's weight fingerprint. The training prompts are those of
+    ``train_dataset`` after group sampling (which is not redone; the teacher trajectories
+    stay); with ``presample="first_use"`` those used so far, a prompt first used after a
+    refresh being presampled from the reference under that refresh's key (``policy`` mode
+    is refused there: the snapshot such a prompt needs is gone). The rollouts count as
+    ``refresh`` (what the refreshed anchors rest on, rows found in the store included) and
+    ``refresh_now`` (what was sampled). Each checkpoint keeps the key of the anchors in use
+    and the last refresh: a resumed run continues with them, and a refresh it repeats (a
+    checkpoint saved at step K, before the refresh) finds its rows in the store and samples
+    nothing.
+
     The rest as :class:`AnchoredGRPOTrainer`. After set-up: ``anchor_set`` (what presampling
     at start did), ``filter_result`` (group sampling's ``FilterResult`` or None; its
     statistics are also written to ``OUTPUT_DIR/pvpo_filter.json``), ``trajectories``
-    (prompt id -> teacher trajectory).
+    (prompt id -> teacher trajectory), ``anchors`` and ``anchor_key`` (the anchors in use and
+    their store key: the presample key, or the last refresh's), ``last_refresh`` (its
+    ``step``, ``mode`` and snapshot ``fingerprint``; None before the first).
     """
 
     def __init__(
@@ -639,11 +670,30 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             )
         self.pvpo, self.group_sampling = pc, group_sampling
         at_start = group_sampling or presample == "start"
-        reference = self._reference(at_start)
+        policy = self.accelerator.unwrap_model(self.model)
+        if pc.refresh_every and pc.refresh_mode == "policy" and hasattr(policy, "peft_config"):
+            raise ConfigError(
+                "pvpo.refresh_mode='policy' with a PEFT model: a refresh samples a frozen copy of "
+                "the policy's weights, which the plug-in cannot make of a PEFT model; use "
+                "refresh_mode='reference'"
+            )
+        kept_for = None
+        if not at_start:
+            kept_for = ("presample='first_use'", "pass reference_model=, or presample='start'")
+        elif pc.refresh_every and pc.refresh_mode == "reference":
+            kept_for = (
+                "pvpo.refresh_mode='reference'",
+                "pass reference_model=, or refresh_mode='policy'",
+            )
+        reference = self._reference(kept_for)
         self.anchor_set = self._presample_start(
             reference, self._unique_records() if at_start else [], pc
         )
         self.anchors: dict[str, AnchorStat] = dict(self.anchor_set.stats)
+        self.anchor_key: AnchorKey = self.anchor_set.key
+        # the last refresh ({"step", "mode", "fingerprint"}; None: none yet)
+        self.last_refresh: dict[str, Any] | None = None
+        self.counts |= {"refresh": 0, "refresh_now": 0}
         self._late_reference = None if at_start else reference
         self.filter_result: FilterResult | None = None
         if group_sampling:
@@ -686,22 +736,73 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             result.stats.save(Path(self.args.output_dir) / FILTER_FILE)
 
     def _before_batch(self, ids: Sequence[str]) -> dict[str, float]:
-        """First-use presampling of the batch's new prompts."""
+        """The refresh when due (:meth:`refresh`), then first-use presampling of the batch's
+        new prompts under the key of the anchors in use (the presample key, or the last
+        refresh's)."""
+        metrics = self._refresh_if_due()
         if self._late_reference is None:
-            return {}
+            return metrics
         new = [self.records_by_id[i] for i in dict.fromkeys(ids) if i not in self.anchors]
         sampled = 0
         if new:
             pc, anchor_set = self.pvpo, self.anchor_set
             result = presample_prompts(
-                new, anchor_set.sampler, anchor_set.store, anchor_set.key, pc.m,
+                new, anchor_set.sampler, anchor_set.store, self.anchor_key, pc.m,
                 pc.presample_batch, anchor_seed(pc), self.progress,
             )  # fmt: skip
-            self.anchors |= anchor_set.store.get_anchors(anchor_set.key, [r.id for r in new])
             sampled = result.rollouts
-            self.counts["presample_now"] += sampled
-        self.counts["presample"] = sum(stat.n for stat in self.anchors.values())
-        return {"pvpo/presampled_now": float(sampled)}
+            self._add_anchors(anchor_set.store.get_anchors(self.anchor_key, [r.id for r in new]))
+            self.counts["refresh_now" if self.last_refresh else "presample_now"] += sampled
+        return metrics | {"pvpo/presampled_now": float(sampled)}
+
+    def _add_anchors(self, stats: Mapping[str, AnchorStat]) -> None:
+        """Use ``stats`` (prompts first used, under :attr:`anchor_key`) and count the rollouts
+        they rest on: presampling's before the first refresh, the refreshes' after it."""
+        self.anchors |= stats
+        self.counts["refresh" if self.last_refresh else "presample"] += sum(
+            stat.n for stat in stats.values()
+        )
+
+    def _refresh_if_due(self) -> dict[str, float]:
+        """:meth:`refresh` when a multiple of ``pvpo.refresh_every`` optimizer steps lies between
+        the last refresh (0: none) and ``state.global_step``; its metrics, else none."""
+        every, step = self.pvpo.refresh_every, self.state.global_step
+        last = self.last_refresh["step"] if self.last_refresh else 0
+        if not every or step // every <= last // every:
+            return {}
+        return self.refresh(step)
+
+    def refresh(self, step: int) -> dict[str, float]:
+        """Re-estimate the anchors of the training prompts after ``step`` optimizer steps
+        (``pvpo.refresh_mode``) with ``anchors.presample.refresh_anchors``; they serve from
+        now on. ``policy`` mode samples a frozen copy of the current policy, keyed by its
+        weight fingerprint; rows already stored under the refresh key (a refresh repeated by
+        a resumed run) are reused, nothing sampled. Metrics ``pvpo/refresh_sampled`` and
+        ``pvpo/refresh_seconds``."""
+        pc, store, started = self.pvpo, self.anchor_set.store, time.perf_counter()
+        records = [r for r in self._unique_records() if r.id in self.anchors]
+        sampler, engine, fingerprint = self.anchor_set.sampler, None, None
+        if pc.refresh_mode == "policy":  # the snapshot lives as long as its engine, no longer
+            snapshot = _fresh_copy(self.accelerator.unwrap_model(self.model))
+            fingerprint = fingerprint_model(snapshot)
+            engine = make_engine("hf", snapshot, self._tokenizer)
+            sampler = RolloutSampler(engine, self.task, self.sampling)
+        try:
+            result = refresh_anchors(
+                records, sampler, store, self.anchor_set.key, pc.refresh_mode, step, pc.m,
+                model_fingerprint=fingerprint, batch_size=pc.presample_batch,
+                seed=anchor_seed(pc), progress=self.progress,
+            )  # fmt: skip
+        finally:
+            close_engine(engine)  # the snapshot's (None in reference mode: nothing to close)
+        self.last_refresh = {"step": step, "mode": pc.refresh_mode, "fingerprint": fingerprint}
+        self.anchor_key, self.anchors = result.key, dict(result.anchors)
+        self.counts["refresh"] += sum(stat.n for stat in result.anchors.values())
+        self.counts["refresh_now"] += result.rollouts
+        return {
+            "pvpo/refresh_sampled": float(result.rollouts),
+            "pvpo/refresh_seconds": time.perf_counter() - started,
+        }
 
     def _advantages(
         self, rewards: Tensor, ids: Sequence[str], k: int
@@ -709,9 +810,7 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         """``algos.advantages.pvpo``: ``r - V_sta(prompt)`` for every row, ``[N]``."""
         absent = [i for i in dict.fromkeys(ids) if i not in self.anchors]
         if absent:  # presampled by another process on first use
-            store, key = self.anchor_set.store, self.anchor_set.key
-            self.anchors |= store.get_anchors(key, absent)
-            self.counts["presample"] = sum(stat.n for stat in self.anchors.values())
+            self._add_anchors(self.anchor_set.store.get_anchors(self.anchor_key, absent))
         anchor = anchor_values(self.anchors, ids)
         advantages = compute_advantage("pvpo", rewards=rewards, anchor=anchor)
         teacher_rows = sum(
@@ -721,6 +820,48 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             "pvpo/anchor_mean": anchor.mean().item(),
             "pvpo/teacher_rows": teacher_rows,
         }
+
+    def _plugin_state(self) -> dict[str, Any]:
+        """The counts, and the anchors in use: their key's digest, their prompts and the last
+        refresh (what rebuilds the key)."""
+        pvpo = {
+            "anchor_key": self.anchor_key.digest,
+            "anchor_ids": list(self.anchors),
+            "last_refresh": None if self.last_refresh is None else dict(self.last_refresh),
+        }
+        return super()._plugin_state() | {"pvpo": pvpo}
+
+    def _load_plugin_state(self, state: Mapping[str, Any]) -> None:
+        """Continue with the anchors the run was using (those of its last refresh, if any),
+        read from the store; a checkpoint without them (an older plug-in) keeps the counts only."""
+        super()._load_plugin_state(state)
+        saved = state.get("pvpo")
+        if saved is None:
+            return
+        last, key = saved["last_refresh"], self.anchor_set.key
+        if last is not None:
+            last = {
+                "step": int(last["step"]),
+                "mode": last["mode"],
+                "fingerprint": last["fingerprint"],
+            }
+            key = refresh_key(key, last["mode"], last["step"], last["fingerprint"])
+        store = self.anchor_set.store
+        if key.digest != saved["anchor_key"]:
+            raise ConfigError(
+                f"the checkpoint's anchors are stored under {saved['anchor_key']} in {store.path}, "
+                f"but this trainer's settings give {key.digest} for them (the reference, sampling "
+                "settings, task and anchor seed make the key); resume with the initial model and "
+                "settings the run started with"
+            )
+        ids = [str(i) for i in saved["anchor_ids"]]
+        anchors = store.get_anchors(key, ids)
+        if len(anchors) < len(ids):
+            raise RuntimeError(
+                f"{len(ids) - len(anchors)} training prompts have no anchors under {key.digest} "
+                f"in {store.path}, the anchors this run was using; it cannot continue without them"
+            )
+        self.anchor_key, self.anchors, self.last_refresh = key, anchors, last
 
 
 def anchor_seed(pc: PVPOConfig) -> int:
@@ -738,14 +879,21 @@ def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
             "train_dataset (or each on its first use), it does not walk a subset; pass a "
             "train_dataset (or records=) of the prompts to train on and drop pvpo.prompts"
         )
-    if pc.refresh_every:
-        raise UnsupportedFeatureError(
-            f"pvpo.refresh_every={pc.refresh_every}: the TRL plug-in does not refresh anchors (not "
-            "an upstream limit: not implemented here); set 0, or train with anchor-rl train "
-            "--preset pvpo pvpo.refresh_every=K"
+    if not pc.refresh_every and _non_default(pc, ["refresh_mode"]):
+        raise ConfigError(
+            "pvpo.refresh_mode has no effect: pvpo.refresh_every=0 never refreshes; drop it or "
+            "set pvpo.refresh_every=K"
         )
-    if _non_default(pc, ["refresh_mode"]):
-        raise ConfigError("pvpo.refresh_mode without refreshes: drop it")
+    first_use = presample == "first_use" and not group_sampling
+    if pc.refresh_every and pc.refresh_mode == "policy" and first_use:
+        raise ConfigError(
+            "pvpo.refresh_mode='policy' with presample='first_use': a policy refresh samples a "
+            "snapshot of the policy at the refresh step, and a prompt first used after the "
+            "refresh would need that snapshot for its anchor, which is gone once training moves "
+            "on (and after a resume); use presample='start' (every prompt is then refreshed at "
+            "each refresh) or refresh_mode='reference' (a prompt first used after a refresh is "
+            "presampled from the reference under that refresh's key)"
+        )
     teacher = _non_default(pc, ["teacher", "teacher_model", "teacher_tries", "keep_unsolved"])
     if teacher and not group_sampling:
         raise ConfigError(
@@ -817,9 +965,7 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
         self.anchor_set: AnchorSet | None = None
         anchors = None
         if uses_anchors(vc):
-            self.anchor_set = self._presample_start(
-                self._reference(True), self._unique_records(), pc
-            )
+            self.anchor_set = self._presample_start(self._reference(), self._unique_records(), pc)
             anchors = self.anchor_set.means()
         self.prior = build_prior(vc, anchors)
         # state.global_step when the prior last learned (None: not yet in this process)
