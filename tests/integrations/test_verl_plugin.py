@@ -247,6 +247,12 @@ def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
         MethodConfig.from_verl({"anchor_rl": {"method": "pvpo", "pvpo": {"teacher": "hf:big"}}})
     with pytest.raises(ValueError):  # CriticConfig's bounds: a lambda lies in [0, 1]
         MethodConfig.from_verl({"anchor_rl": {"method": "vapo", "vapo": {"lam": 1.5}}})
+    with pytest.raises(ValueError, match="pvpo.refresh_every: the verl trainer does not refresh"):
+        MethodConfig.from_verl({"anchor_rl": {"method": "pvpo", "pvpo": {"refresh_every": 50}}})
+    with pytest.raises(ValueError, match="anchor-rl train and the TRL plug-in refresh"):
+        MethodConfig.from_verl(
+            {"anchor_rl": {"method": "pvpo", "pvpo": {"refresh_mode": "policy"}}}
+        )
     with pytest.raises(ValueError, match="anchor_rl. config node"):
         MethodConfig.from_verl({"trainer": {"v1": {"trainer_mode": TRAINER}}})
     check_verl_config(_verl_cfg("vapo"), MethodConfig.from_verl(_verl_cfg("vapo")))  # fine

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
 from anchor_rl.trainer.config import TrainConfig, _changed, _no_effect
@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 Method = Literal["pvpo", "v05", "vapo"]
+
+
+REFRESH_FIELDS = ("refresh_every", "refresh_mode")
+"""anchor-rl's PVPO refresh knobs, which the verl trainer refuses (:class:`PVPOSection`)."""
 
 
 class PVPOSection(Section):
@@ -64,6 +68,20 @@ class PVPOSection(Section):
     scored by verl's reward like any rollout. None: no teacher."""
     keep_unsolved: bool = False
     """Group sampling: keep the accuracy-0 prompts without a teacher trajectory."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_refresh(cls, data: Any) -> Any:
+        """PVPO's anchor refresh is not built in the verl trainer: a clear error, not pydantic's
+        "extra inputs are not permitted"."""
+        if isinstance(data, Mapping) and (names := [k for k in REFRESH_FIELDS if k in data]):
+            raise ValueError(
+                f"pvpo.{', pvpo.'.join(names)}: the verl trainer does not refresh anchors (not "
+                "built: a policy refresh would sample verl's rollout servers again at step K, a "
+                "reference refresh would need the initial weights loaded into them); anchor-rl "
+                "train and the TRL plug-in refresh. Drop them"
+            )
+        return data
 
     @field_validator("teacher")
     @classmethod
