@@ -71,6 +71,14 @@ def rotary_tables(
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+def static_rope(inner: torch.nn.Module) -> bool:
+    """Whether the rotary embedding of ``inner`` gives a position the same table whatever
+    other positions it is asked for: not a ``dynamic`` or ``longrope`` RoPE, whose
+    frequencies transformers recomputes from the longest position of a call."""
+    kind = getattr(inner.rotary_emb, "rope_type", "default")
+    return isinstance(kind, str) and "dynamic" not in kind and kind != "longrope"
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x[..., D]`` with tables broadcastable to it (half-split
     rotation, as Llama's ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin``).

@@ -49,7 +49,13 @@ import torch
 from torch.nn.functional import embedding, scaled_dot_product_attention
 from transformers import PreTrainedModel
 
-from anchor_rl.models.llama import LayerPass, decode_layers, llama_unsupported, rotary_tables
+from anchor_rl.models.llama import (
+    LayerPass,
+    decode_layers,
+    llama_unsupported,
+    rotary_tables,
+    static_rope,
+)
 from anchor_rl.models.padding import distinct_rows
 
 DecodeMode = Literal["auto", "static", "hf", "graph"]
@@ -251,11 +257,13 @@ class StaticDecoder:
         )
         self.passes = decode_layers(self.inner, b)  # weights fixed for the turn: prepare once
         # positions stay below `limit` (a row's position is at most its column): the turn's
-        # rotary tables once, each step indexes them
-        at = torch.arange(limit, device=device)[None]
-        self._tables = tuple(
-            t[0] for t in rotary_tables(self.inner, self.inner.embed_tokens.weight, at)
-        )
+        # rotary tables once, each step indexes them (not for a RoPE whose frequencies
+        # depend on the longest position seen: those are computed per step, as the model does)
+        self._tables = ()
+        if static_rope(self.inner):
+            at = torch.arange(limit, device=device)[None]
+            cos, sin = rotary_tables(self.inner, self.inner.embed_tokens.weight, at)
+            self._tables = (cos[0], sin[0])
         # a context that several rows share (n samples of one prompt) is run once, and its
         # keys and values are copied to every row that has it
         distinct, copy_of = distinct_rows(list(map(tuple, torch.cat([ids, mask], 1).tolist())))
@@ -416,7 +424,7 @@ class StaticDecoder:
         for an int ``start``). A tensor ``start`` (``[1]``, with ``n = 1``) is the
         static-shape step: its column is written in place, and ``K`` is its span."""
         b = hidden.shape[0]
-        cos, sin = self._rotary(pos)
+        cos, sin = self._rotary(hidden, pos)
         static = isinstance(start, torch.Tensor)
         end = attend.shape[-1]  # the columns attended
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
@@ -459,17 +467,22 @@ class StaticDecoder:
             hidden = layer.finish(hidden, out)
         return hidden
 
-    def _rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables ``cos``, ``signed_sin`` ``[B, n, 1, D]`` (one for every head) of
-        positions ``pos[B, n]``, looked up in the turn's (a step ran ~a dozen operators to
-        compute them, 3% of a ``tiny`` rollout on the CPU; the values are the same)."""
+        positions ``pos[B, n]`` for ``hidden`` (its dtype): looked up in the turn's tables
+        (bitwise the values the rotary module computes per step, in fewer operators: 0.98-1.00x
+        a ``tiny`` rollout's time on the CPU, docs/results.md), else computed."""
+        if not self._tables:
+            cos, sin = rotary_tables(self.inner, hidden, pos)
+            return cos[:, :, None], sin[:, :, None]
         try:
-            return tuple(embedding(pos, table)[:, :, None] for table in self._tables)
+            cos, sin = (embedding(pos, table)[:, :, None] for table in self._tables)
         except IndexError as error:  # on the CPU; the sampler's positions never get here
             raise ValueError(
                 f"a position past the turn's {len(self._tables[0])} (prompt width + budget): "
                 "a row's position grows by one a step from its position at the prefill"
             ) from error
+        return cos, sin
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` logits of the last position of ``hidden[B, n, H]``."""

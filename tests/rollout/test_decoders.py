@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from anchor_rl.models import packed
-from anchor_rl.models.llama import FrozenLayer
+from anchor_rl.models.llama import FrozenLayer, static_rope
 from anchor_rl.models.packed import PackedProduct
 from anchor_rl.models.scoring import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -298,6 +298,29 @@ def test_a_step_position_past_the_turns_rotary_tables_is_a_clear_error() -> None
         decoder.prefill(ids, mask, position_ids(mask), 2)
         with pytest.raises(ValueError, match="prompt width \\+ budget"):
             decoder.step(torch.ones(4, dtype=torch.long), torch.full((4,), ids.shape[1] + 2))
+
+
+def test_a_dynamic_rope_is_computed_per_step_as_the_model_computes_it() -> None:
+    """transformers recomputes a dynamic RoPE's frequencies from the longest position of a
+    call, so the turn's tables would rotate every position as the last one scales it: such a
+    RoPE is computed step by step, and the decoder stays the model's own forward past the
+    original 8 positions (the reference decoder on its own copy: the module keeps state)."""
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config = LlamaConfig(
+        **small, vocab_size=len(TOK), max_position_embeddings=8, rope_parameters=dynamic
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    assert not static_rope(model.model) and static_rope(MODELS["tiny"].model)
+    ids, mask = left_pad(CONTEXTS, TOK.pad_token_id)
+    pos = position_ids(mask)
+    fast, slow = StaticDecoder(model), HFDecoder(copy.deepcopy(model))
+    with torch.no_grad():
+        a, b = fast.prefill(ids, mask, pos, 8), slow.prefill(ids, mask, pos, 8)
+        assert fast._tables == ()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        _steps_agree(fast, slow, pos, config.vocab_size)  # positions 7 to 11
 
 
 def test_bf16_decoding_with_either_attention_stays_near_the_float32_logits() -> None:
