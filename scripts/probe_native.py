@@ -19,7 +19,6 @@ hardware counters are needed). Prints JSON (and writes it to ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -225,11 +224,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, work in phases(args.model, args.overrides).items():
         print(f"sampling {name} for {args.seconds:g} s", file=sys.stderr, flush=True)
         result["phases"][name] = record(work, args.seconds, perf)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    from anchor_rl.bench.throughput import emit
+
+    emit(result, args.out)
     return result
 
 

@@ -214,11 +214,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if key in medians["trl"] and medians["anchor-rl"][key]
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    from anchor_rl.bench.throughput import emit
+
+    emit(result, args.out)
     return result
 
 
