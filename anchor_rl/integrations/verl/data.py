@@ -45,6 +45,7 @@ __all__ = [
     "presample_key",
     "row_key",
     "row_keys",
+    "batch_row_keys",
 ]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -185,6 +186,21 @@ def row_keys(
         row_key(raw, ground_truth(rm), source)
         for raw, rm, source in zip(raw_prompts, reward_models, data_sources, strict=True)
     ]
+
+
+def batch_row_keys(fields: Mapping[str, Any], rows: Sequence[int] | None = None) -> list[str]:
+    """:func:`row_keys` of the rows ``rows`` (all when None) of a batch's non-tensor
+    ``fields`` (verl's ``non_tensor_batch``, a batch ``TensorDict`` or TransferQueue fields;
+    each read by :func:`as_list`): its ``raw_prompt``, ``reward_model`` and, where the batch
+    has one, ``data_source``."""
+    columns = {
+        name: as_list(fields[name])
+        for name in ("raw_prompt", "reward_model", "data_source")
+        if name in fields
+    }
+    if rows is not None:
+        columns = {name: [column[r] for r in rows] for name, column in columns.items()}
+    return row_keys(columns["raw_prompt"], columns.get("reward_model"), columns.get("data_source"))
 
 
 def field_value(row: Mapping[str, Any], path: str) -> Any:

@@ -31,7 +31,7 @@ from anchor_rl.algos.registry import compute_advantage as anchor_advantage
 from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.integrations.verl import ESTIMATORS
 from anchor_rl.integrations.verl.config import MethodConfig, select
-from anchor_rl.integrations.verl.data import row_keys
+from anchor_rl.integrations.verl.data import batch_row_keys
 from anchor_rl.trainer.critic import critic_metrics, critic_targets, policy_lambda
 from anchor_rl.trainer.v05 import (
     Fusion,
@@ -176,12 +176,7 @@ class MethodState:
                 "reward_model[B] (the gold answer) and data_source[B]"
             )
         firsts = [rows[r] for r in first_rows(group, len(order))]
-        gold, source = nt.get("reward_model"), nt.get("data_source")
-        keys = row_keys(
-            [nt["raw_prompt"][r] for r in firsts],
-            None if gold is None else [gold[r] for r in firsts],
-            None if source is None else [source[r] for r in firsts],
-        )
+        keys = batch_row_keys(nt, firsts)
         if method == "pvpo":
             per_group = self.anchor_of(keys)
             metrics = {"pvpo/anchor_mean": per_group[group].mean().item()} if rows else {}

@@ -34,7 +34,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.utils import tensordict_utils as tu
 
 from anchor_rl.integrations.verl import AGENT_LOOPS
-from anchor_rl.integrations.verl.data import as_list, row_keys
+from anchor_rl.integrations.verl.data import as_list, batch_row_keys
 from anchor_rl.integrations.verl.method import group_index
 from anchor_rl.tasks.base import Record
 
@@ -191,16 +191,8 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
         )
     rewards = fields["rm_scores"].to_padded_tensor(0.0).float().sum(dim=-1)
     group, order = group_index(uids)
-    raw = as_list(fields["raw_prompt"])
-    gold = as_list(fields["reward_model"]) if "reward_model" in fields else None
-    source = as_list(fields["data_source"]) if "data_source" in fields else None
     first = {g: r for r, g in reversed(list(enumerate(group.tolist())))}
-    rows = [first[g] for g in range(len(order))]
-    keys = row_keys(
-        [raw[r] for r in rows],
-        None if gold is None else [gold[r] for r in rows],
-        None if source is None else [source[r] for r in rows],
-    )
+    keys = batch_row_keys(fields, [first[g] for g in range(len(order))])
     plan = state.v05_plan(order, keys, rewards, group)
     if vc.budget != "adaptive":
         return batch

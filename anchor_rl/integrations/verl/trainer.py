@@ -56,11 +56,11 @@ from anchor_rl.integrations.verl.config import MethodConfig, check_verl_config, 
 from anchor_rl.integrations.verl.data import (
     FieldTeacher,
     as_list,
+    batch_row_keys,
     dataset_records,
     fingerprint_reference,
     plain,
     presample_key,
-    row_keys,
 )
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
 from anchor_rl.integrations.verl.rollout import (
@@ -308,9 +308,7 @@ class AnchorRLTrainer(PPOTrainerSync):
             n = int(self.config.actor_rollout_ref.rollout.n)
             loop = str(self.config.actor_rollout_ref.rollout.agent.default_agent_loop)
             payloads, names = [], []
-            gold = as_list(batch["reward_model"]) if "reward_model" in batch else None
-            source = as_list(batch["data_source"]) if "data_source" in batch else None
-            for key in row_keys(as_list(batch["raw_prompt"]), gold, source):
+            for key in batch_row_keys(batch):
                 traj = self.state.trajectories.get(key)
                 payloads.append(
                     {}
