@@ -106,7 +106,8 @@ def summarise(
     ``per_kind`` largest functions (``"percent dso: name"``)."""
     shares = dict.fromkeys(KINDS, 0.0)
     largest: dict[str, list[str]] = {k: [] for k in KINDS}
-    for percent, dso, symbol in sorted(rows, reverse=True):
+    ordered = sorted(rows, reverse=True)
+    for percent, dso, symbol in ordered:
         group = kind(dso, symbol)
         shares[group] += percent
         if len(largest[group]) < per_kind:
@@ -115,7 +116,7 @@ def summarise(
         "kinds": {k: round(v, 2) for k, v in shares.items()},
         "top": [
             {"percent": p, "dso": d, "symbol": short(s), "kind": kind(d, s)}
-            for p, d, s in sorted(rows, reverse=True)[:top]
+            for p, d, s in ordered[:top]
         ],
         "largest_by_kind": largest,
     }

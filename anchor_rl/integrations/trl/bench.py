@@ -184,12 +184,10 @@ def train_one(
     trainer.train()
     wall = time.perf_counter() - started
     if method == "grpo":
-        rollouts = {"policy": counted.completions, "presample": 0, "teacher": 0}
-    else:
-        rollouts = {k: v for k, v in trainer.rollout_counts().items() if k != "total"}
-    rollouts["total"] = sum(
-        rollouts.get(k, 0) for k in ("policy", "presample", "refresh", "teacher")
-    )
+        n = counted.completions
+        rollouts = {"policy": n, "presample": 0, "teacher": 0, "total": n}
+    else:  # the plug-in's own count, its total included
+        rollouts = trainer.rollout_counts()
     model = trainer.accelerator.unwrap_model(trainer.model)
     final = evaluate_model(make_engine("hf", model, tokenizer), task, cfg, cfg.steps)
     return {
