@@ -16,7 +16,10 @@
 #      2 seeds of each before its time ran out);
 #   5. suite throughput on `base` in bf16 (the update padding-free with shared prefixes, the
 #      default, and padded), in float32, and the larger model in bf16;
-#   6. suite throughput on `base` with 1 and 2 Ray rollout workers on a share of the GPU.
+#   6. the update's scoring layouts (padded, packed, shared-prefix) on synthetic batches with
+#      short and long responses, both models, bf16 (scripts/probe_layouts.py);
+#   7. suite throughput on the larger model with the padded update;
+#   8. suite throughput on `base` with 1 and 2 Ray rollout workers on a share of the GPU.
 # The H100 session's cuDNN A/B (the bf16 update with cuDNN's attention allowed):
 #   ANCHOR_RL_SDPA_CUDNN=on anchor-rl bench throughput --device cuda model=random:base ...
 #
@@ -74,6 +77,10 @@ stage trl-big-bf16 330 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --steps
   --out "$out/trl-big-bf16" "model=$big" "${B[@]}"
 stage trl-base-bf16 250 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --steps 8 "${bench[@]}" \
   --out "$out/trl-base-bf16" "model=$base" "${B[@]}"
+# on the H100 the padded update was 2.4x as fast at the trl suite's lengths: the layouts at
+# RL lengths too (1024-token responses), on both models
+stage layouts 150 python3 scripts/probe_layouts.py "$base" "$big" --device "$dev" \
+  --autocast bf16 --repeats 3 --out "$out/layouts-bf16.json"
 stage throughput-base-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base-bf16" "model=$base" "${B[@]}"
 # the update's layouts were chosen on the CPU; on a GPU the padded one (fewer, larger
@@ -85,6 +92,9 @@ stage throughput-base 60 anchor-rl bench throughput --device "$dev" --steps 5 "$
   --out "$out/throughput-base" "model=$base"
 stage throughput-big-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-big-bf16" "model=$big" "${B[@]}"
+stage throughput-big-bf16-padded 60 anchor-rl bench throughput --device "$dev" --steps 5 \
+  "${bench[@]}" --out "$out/throughput-big-bf16-padded" "model=$big" "${B[@]}" \
+  optim.padding_free=off optim.shared_prefix=off
 stage throughput-ray 90 env RAY_AUTH_MODE=disabled python3 -c "
 from anchor_rl.bench.runner import BenchArgs
 from anchor_rl.bench.throughput import run_throughput_suite

@@ -100,11 +100,13 @@ DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         "scoring forward",
-        "padding-free, each prompt once for the group that shares it "
+        "on the CPU padding-free, each prompt once for the group that shares it; on a GPU "
+        "padded unless a pass is large and much of it padding "
         "(`optim.padding_free=auto`, `optim.shared_prefix=auto`)",
         "a padded batch (prompt and completion tensors): each prompt once per completion",
-        "each library's default layout; the same log-probs up to float rounding (the prompt's "
-        "share of the forward and backward pass is paid once per group by anchor-rl)",
+        "each library's default layout; the same log-probs up to float rounding (on the CPU "
+        "the prompt's share of the forward and backward pass is paid once per group by "
+        "anchor-rl)",
     ),
     (
         "old log-probs",

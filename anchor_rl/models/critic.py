@@ -51,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from anchor_rl.models.scoring import pack_prompt_response
+from anchor_rl.models.scoring import pack_prompt_response, shares_by_default
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
     has_shared_prompt,
@@ -202,10 +202,12 @@ class Critic(nn.Module):
 
     def _shares_prefix(self, batch: RolloutBatch) -> bool:
         """Whether :meth:`values` runs ``batch`` with shared prefixes: switched on
-        (:attr:`shared_prefix`), a prompt repeats, and the backbone's layers are plain
-        Llama layers (else the padded layout)."""
+        (:attr:`shared_prefix`), it runs on the CPU (on a GPU the padded layout is the faster,
+        :func:`~anchor_rl.models.scoring.shares_by_default`), a prompt repeats, and the
+        backbone's layers are plain Llama layers (else the padded layout)."""
         return (
             self.shared_prefix
+            and shares_by_default(self.device)
             and has_shared_prompt(batch.prompt_ids)
             and shared_prefix_unsupported(self.backbone, head=False) is None
         )

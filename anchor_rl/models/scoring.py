@@ -18,6 +18,15 @@ Three layouts compute the same function (up to float rounding, pinned in the tes
   the rows that share it (:mod:`anchor_rl.models.shared_prefix`); a GRPO group of n
   responses pays for its prompt once instead of n times. Used where a prompt repeats and
   the model's layers are plain Llama layers.
+
+Which layout a pass takes by default depends on the device. On the CPU the arithmetic
+decides: shared prefixes where a prompt repeats, else packed. On a GPU a pass of a few
+thousand tokens waits on kernel launches, and the padded layout's few large kernels beat
+packing's gathers and block-diagonal attention and the shared-prefix layout's per-bucket
+attention: measured on an H100 in bf16 (docs/results.md, "The update's layouts on a GPU"),
+the shared-prefix layout was the fastest in one case of eight (by 4%) and 1.2-2.0x slower
+than the best in the others, and packing paid only in passes of many tokens with much
+padding (:func:`gpu_packs`).
 """
 
 from __future__ import annotations
@@ -106,6 +115,66 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
         where[i], offset[i] = b, width - room[b]
         room[b] -= lengths[i]
     return where, offset, width
+
+
+GPU_PACK_MIN_FLOP = 5e11
+"""On a GPU, ``packed=None`` packs a pass only if its forward is at least this much work,
+``2 x parameters x real tokens`` FLOP: below it a pass waits on kernel launches. On an H100
+(bf16) passes of 0.08 TFLOP (a 50M Llama, 760 tokens) ran padded 1.24x as fast as packed
+with 1.6x the cells, and of 0.55 TFLOP (722M, 380 tokens) as fast."""
+GPU_PACK_MIN_SAVING = 1.2
+"""... and only if its padded layout computes at least this many times the packed layout's
+token cells. On the H100, in passes of 0.9-14 TFLOP: a ratio of 1.0 left padded 1.19-1.27x
+as fast; 1.23-1.32 made packed 1.06-1.08x as fast; 1.74-2.0, 1.36-1.44x."""
+
+
+def gpu_packs(batch: RolloutBatch, parameters: int) -> bool:
+    """Whether a GPU pass over ``batch`` with a model of ``parameters`` packs by default
+    (``packed=None``) rather than pads: its forward is :data:`GPU_PACK_MIN_FLOP` or more and
+    padding would cost :data:`GPU_PACK_MIN_SAVING` times the packed bins' cells or more.
+    The padded layout computes ``B x (longest prompt + T)`` cells (``T`` =
+    ``response_ids.shape[1]``), the packed one its bins (:func:`pack_rows`)."""
+    lengths = [
+        len(p) + n
+        for p, n in zip(batch.prompt_ids, batch.attention_mask.sum(-1).long().tolist(), strict=True)
+    ]
+    if 2 * parameters * sum(lengths) < GPU_PACK_MIN_FLOP:
+        return False
+    where, _, width = pack_rows(lengths)
+    padded = len(batch) * (max(map(len, batch.prompt_ids)) + batch.response_ids.shape[1])
+    return padded >= GPU_PACK_MIN_SAVING * (max(where) + 1) * width
+
+
+def shares_by_default(device: torch.device) -> bool:
+    """Whether ``shared=None`` (``optim.shared_prefix=auto``) shares prompts on ``device``:
+    on the CPU, not on a GPU (module docstring)."""
+    return device.type != "cuda"
+
+
+def pass_layout(
+    batch: RolloutBatch,
+    packed: bool | None,
+    shared: bool | None,
+    can_pack: bool,
+    can_share: bool,
+    device: torch.device,
+    parameters: int,
+) -> str:
+    """The layout of one scoring pass over ``batch``: ``"padded"``, ``"packed"`` or
+    ``"shared"``. ``packed`` and ``shared`` as :func:`token_logprobs` takes them (already
+    checked against the model), ``can_pack`` / ``can_share`` whether the model allows each,
+    ``device`` where it runs and ``parameters`` the model's size: the defaults follow
+    :func:`shares_by_default` and, on a GPU, :func:`gpu_packs`."""
+    if shared:
+        return "shared"
+    if packed is False or not can_pack:
+        return "padded"
+    default_share = shared is None and can_share and shares_by_default(device)
+    if default_share and has_shared_prompt(batch.prompt_ids):
+        return "shared"
+    if packed is None and device.type == "cuda" and not gpu_packs(batch, parameters):
+        return "padded"
+    return "packed"
 
 
 class ScoringForward(torch.nn.Module):
@@ -235,11 +304,12 @@ def token_logprobs(
     each pass calls, a wrapper of ``ScoringForward(model)`` such as
     ``DistributedDataParallel`` (default: ``ScoringForward(model)`` itself).
 
-    The layout (module docstring): ``packed`` False scores padded. Otherwise ``shared``
-    True scores each pass with shared prefixes (ValueError if the model cannot be), None
-    does where a prompt repeats within the pass and :func:`shared_prefix_unsupported` has
-    no objection, and the rest packs (``packed`` None: where :func:`packing_supported`;
-    True: ValueError if not).
+    The layout of each pass (:func:`pass_layout`; module docstring): ``packed`` False
+    scores padded. Otherwise ``shared`` True scores each pass with shared prefixes
+    (ValueError if the model cannot be); None does on the CPU where a prompt repeats
+    within the pass and :func:`shared_prefix_unsupported` has no objection; and the rest
+    packs: ``packed`` True always (ValueError if the model cannot be), None where
+    :func:`packing_supported` and, on a GPU, where :func:`gpu_packs` (else padded).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -257,21 +327,24 @@ def token_logprobs(
     unshareable = None if shared is False else shared_prefix_unsupported(model)
     if shared and unshareable:
         raise ValueError(f"shared-prefix scoring cannot run {type(model).__name__}: {unshareable}")
-    if packed is None:
-        packed = packing_supported(model)
-    elif packed and not packing_supported(model):
+    can_pack = packing_supported(model)
+    if packed and not can_pack:
         raise ValueError(
             f"packed scoring needs a Llama-architecture model, not {type(model).__name__}"
         )
-    can_share = packed and shared is not False and unshareable is None
     forward = ScoringForward(model) if forward is None else forward
+    parameters = sum(p.numel() for p in model.parameters())
     parts = []
     for chunk in chunks:
-        if not packed:
+        kind = pass_layout(
+            chunk, packed, shared, can_pack, unshareable is None, model.device, parameters
+        )
+        if kind == "padded":
             parts.append(_score(model, forward, chunk, with_entropy, temperature))
             continue
-        share = bool(shared) or (can_share and has_shared_prompt(chunk.prompt_ids))
-        flat = (_shared_logits if share else _packed_logits)(model.device, forward, chunk)
+        flat = (_shared_logits if kind == "shared" else _packed_logits)(
+            model.device, forward, chunk
+        )
         parts.append(_token_outputs(flat, chunk, with_entropy, temperature))
     logp = torch.cat([p[0] for p in parts])
     entropy = torch.cat([p[1] for p in parts]) if with_entropy else None

@@ -12,11 +12,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import (
+    GPU_PACK_MIN_FLOP,
     entropy_from_logp,
+    gpu_packs,
     left_pad,
     pack_rows,
     packing_supported,
+    pass_layout,
     position_ids,
+    shares_by_default,
     token_logprobs,
 )
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -118,3 +122,48 @@ def test_packing_needs_a_llama_architecture_model():
         token_logprobs(gpt2, make_batch(), packed=True)
     logp, _ = token_logprobs(gpt2, make_batch())  # auto: the padded layout
     assert logp.shape == make_batch().response_ids.shape
+
+
+def group_batch(prompt_len: int, response_lens: list[int], groups: int = 2) -> RolloutBatch:
+    """``groups`` prompts of ``prompt_len`` tokens, each with responses of ``response_lens``."""
+    prompts = [[7 + g] * prompt_len for g in range(groups) for _ in response_lens]
+    responses = [[9] * n for _ in range(groups) for n in response_lens]
+    return response_batch(prompts, responses, TOK.pad_token_id)
+
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+def test_gpu_packs_only_passes_of_much_work_with_much_padding():
+    short = group_batch(10, [5, 80])  # heavy padding, but ~200 tokens
+    skewed = group_batch(200, [64, 64, 64, 1024])  # padded 8 x 1224 against ~3 bins of 2448
+    even = group_batch(200, [1024, 1024, 1024, 1024])  # no padding at all
+    big = 700_000_000
+    real = sum(len(p) for p in short.prompt_ids) + int(short.attention_mask.sum())
+    assert 2 * big * real < GPU_PACK_MIN_FLOP <= 2 * big * 4032  # 4032: skewed's real tokens
+    assert not gpu_packs(short, big)
+    assert gpu_packs(skewed, big) and not gpu_packs(even, big)
+    assert not gpu_packs(skewed, 1_000_000)  # the same batch on a small model: launch-bound
+
+
+def test_pass_layout_defaults_differ_by_device_and_explicit_settings_win():
+    short, skewed = group_batch(10, [5, 80]), group_batch(200, [64, 64, 64, 1024])
+    distinct = group_batch(10, [5], groups=3)  # no prompt repeats
+    assert shares_by_default(CPU) and not shares_by_default(GPU)
+
+    def layout(batch, packed=None, shared=None, can_pack=True, can_share=True, device=CPU):
+        return pass_layout(batch, packed, shared, can_pack, can_share, device, 700_000_000)
+
+    # CPU: shared prefixes where a prompt repeats, else packed, whatever the lengths
+    assert layout(short) == layout(skewed) == "shared"
+    assert layout(distinct) == layout(short, shared=False) == layout(short, can_share=False)
+    assert layout(distinct) == "packed"
+    # GPU: never shared by default; packed only where gpu_packs
+    assert layout(short, device=GPU) == "padded"
+    assert layout(skewed, device=GPU) == "packed"
+    # explicit settings and what the model allows, on either device
+    for device in (CPU, GPU):
+        assert layout(short, shared=True, device=device) == "shared"
+        assert layout(short, packed=True, shared=False, device=device) == "packed"
+        assert layout(skewed, packed=False, device=device) == "padded"
+        assert layout(skewed, can_pack=False, device=device) == "padded"
