@@ -5,7 +5,9 @@
 # installed. Stages run in order of priority, each with what is left of a time budget
 # (GPU_TABLES_SECONDS, default 540 s; a stage gets at most twice the seconds it is said to
 # need): a stage that would not fit is skipped and says so.
-# After each stage AFTER_STAGE (a shell command, optional) runs, e.g. to copy results away.
+# After each stage AFTER_STAGE (a shell command, optional) runs, e.g. to copy results away:
+# copy the JSON, markdown and logs only (the bench runs save model checkpoints, GBs for the
+# larger model; archiving them cost one session minutes of GPU time).
 #
 #   1. the machine and versions;
 #   2. a larger HF-format model: a random Llama body at TinyLlama's width, 16 layers (~0.7B),

@@ -6,8 +6,8 @@
 Each (model, setting) trains ``--steps`` steps of 8 prompts x 8 responses (<= 80 new
 tokens, no value pretraining, no evaluation) in a fresh run directory under a temporary
 folder, twice, alternating ``optim.shared_prefix=off`` and ``auto``; the first step of each
-run is a warm-up and is left out. ``off`` also scores the critic padded (its layout
-before shared prefixes). Prints one line per run and writes every run's mean
+run is a warm-up and is left out. ``off`` also turns the critic's shared prefixes off (it
+scored padded then when the committed timings were measured; it packs since). Prints one line per run and writes every run's mean
 ``time/generate`` and ``time/update`` as JSON.
 """
 

@@ -51,10 +51,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from anchor_rl.models.scoring import pack_prompt_response, shares_by_default
+from anchor_rl.models.scoring import (
+    pack_prompt_response,
+    packed_inputs,
+    packing_supported,
+    pass_layout,
+)
 from anchor_rl.models.shared_prefix import (
     SharedPrefixLayout,
-    has_shared_prompt,
     shared_prefix_states,
     shared_prefix_unsupported,
 )
@@ -101,9 +105,11 @@ class Critic(nn.Module):
             # A plain attribute, not a submodule: the policy owns these weights.
             object.__setattr__(self, "backbone", backbone)
         device = next(backbone.parameters()).device
-        # run each distinct prompt once for the responses that share it, where the backbone
-        # allows (optim.shared_prefix); off for an FSDP-sharded replica, whose layers must be
-        # called whole
+        # the layouts the values may be read in where the backbone allows, chosen per pass
+        # as the policy's are (scoring.pass_layout): packed (optim.padding_free), and each
+        # distinct prompt run once for the responses that share it (optim.shared_prefix; off
+        # for an FSDP-sharded replica, whose layers must be called whole)
+        self.padding_free = True
         self.shared_prefix = True
         self.head = nn.Linear(backbone.config.hidden_size, 1, device=device, dtype=torch.float32)
         nn.init.zeros_(self.head.weight)
@@ -179,37 +185,49 @@ class Critic(nn.Module):
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         grad = torch.is_grad_enabled() and self.mode == "separate"
-        if self._shares_prefix(batch):
-            # the states that predict response token t end s_t (anchor_rl.models.shared_prefix)
-            layout = SharedPrefixLayout.of(batch).to(self.device)
+        kind = self.layout(batch)
+        if kind == "padded":
+            # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count
+            # real tokens, so the hidden state at column c sees exactly the real tokens at
+            # columns <= c.
+            ids, mask, positions = pack_prompt_response(batch, self.device)
+            response_mask = batch.attention_mask.to(self.device)
+            t = batch.response_ids.shape[1]
             with torch.set_grad_enabled(grad):
-                states = shared_prefix_states(self.backbone, layout)  # [N, H]
-            flat = self.head(states.to(self.head.weight.dtype)).squeeze(-1)  # [N]
-            zeros = torch.zeros(batch.response_ids.shape, device=self.device, dtype=flat.dtype)
-            return zeros.index_put((layout.row_of, layout.t_of), flat)
-        # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count real
-        # tokens, so the hidden state at column c sees exactly the real tokens at columns <= c.
-        ids, mask, positions = pack_prompt_response(batch, self.device)
-        response_mask = batch.attention_mask.to(self.device)
-        t = batch.response_ids.shape[1]
+                hidden = self.backbone(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+                ).last_hidden_state
+            # Column P + t - 1 (P = padded prompt width) ends s_t: the last T + 1 columns but one.
+            state = hidden[:, -(t + 1) : -1, :].to(self.head.weight.dtype)
+            return self.head(state).squeeze(-1) * response_mask.to(self.head.weight.dtype)
+        # the states that predict response token t end s_t (anchor_rl.models.scoring)
         with torch.set_grad_enabled(grad):
-            hidden = self.backbone(
-                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-            ).last_hidden_state
-        # Column P + t - 1 (P = padded prompt width) ends s_t: the last T + 1 columns but one.
-        state = hidden[:, -(t + 1) : -1, :].to(self.head.weight.dtype)
-        return self.head(state).squeeze(-1) * response_mask.to(self.head.weight.dtype)
+            if kind == "shared":
+                layout = SharedPrefixLayout.of(batch).to(self.device)
+                states = shared_prefix_states(self.backbone, layout)  # [N, H]
+                row_of, t_of = layout.row_of, layout.t_of
+            else:
+                ids, positions, select, row_of, t_of = packed_inputs(batch, self.device)
+                out = self.backbone(input_ids=ids, position_ids=positions, use_cache=False)
+                states = out.last_hidden_state[select]  # [N, H]
+        flat = self.head(states.to(self.head.weight.dtype)).squeeze(-1)  # [N]
+        zeros = torch.zeros(batch.response_ids.shape, device=self.device, dtype=flat.dtype)
+        return zeros.index_put((row_of.to(self.device), t_of.to(self.device)), flat)
 
-    def _shares_prefix(self, batch: RolloutBatch) -> bool:
-        """Whether :meth:`values` runs ``batch`` with shared prefixes: switched on
-        (:attr:`shared_prefix`), it runs on the CPU (on a GPU the padded layout is the faster,
-        :func:`~anchor_rl.models.scoring.shares_by_default`), a prompt repeats, and the
-        backbone's layers are plain Llama layers (else the padded layout)."""
-        return (
-            self.shared_prefix
-            and shares_by_default(self.device)
-            and has_shared_prompt(batch.prompt_ids)
-            and shared_prefix_unsupported(self.backbone, head=False) is None
+    def layout(self, batch: RolloutBatch) -> str:
+        """The layout :meth:`values` reads ``batch`` in (one pass): ``"padded"``,
+        ``"packed"`` or ``"shared"``, by :func:`~anchor_rl.models.scoring.pass_layout` with
+        :attr:`padding_free` and :attr:`shared_prefix` on (its defaults) or off, and what the
+        backbone allows: on the CPU shared prefixes where a prompt repeats, else packed; on
+        a GPU padded unless packing pays."""
+        return pass_layout(
+            batch,
+            None if self.padding_free else False,
+            None if self.shared_prefix else False,
+            packing_supported(self.backbone, head=False),
+            shared_prefix_unsupported(self.backbone, head=False) is None,
+            self.device,
+            sum(p.numel() for p in self.backbone.parameters()),
         )
 
     def save(self, path: str | os.PathLike) -> None:

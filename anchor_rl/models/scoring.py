@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel
 
 from anchor_rl.models.padding import left_pad, position_ids, token_cells
@@ -87,18 +88,21 @@ def pack_prompt_response(
 _PACKABLE = ("llama", "mistral", "qwen2")
 
 
-def packing_supported(model: PreTrainedModel) -> bool:
+def packing_supported(model: PreTrainedModel, head: bool = True) -> bool:
     """Whether the packed layout is exact for ``model``: a Llama-architecture model (its mask
-    builder reads restarting position ids as separate sequences) with ``model.model`` and
-    ``lm_head`` and no sliding window."""
+    builder reads restarting position ids as separate sequences) with no sliding window and,
+    for a causal LM (``head``), ``model.model`` and ``lm_head``; ``head`` False: a body such
+    as a critic's backbone."""
     config = model.config
+    causal_lm = isinstance(getattr(model, "model", None), PreTrainedModel) and hasattr(
+        model, "lm_head"
+    )
     return (
         getattr(config, "model_type", None) in _PACKABLE
         and not (
             getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
         )
-        and isinstance(getattr(model, "model", None), PreTrainedModel)
-        and hasattr(model, "lm_head")
+        and (causal_lm or not head)
     )
 
 
@@ -222,8 +226,13 @@ Flat = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 and each token's row and column (row by row, CPU index tensors)."""
 
 
-def _packed_logits(device: torch.device, forward: torch.nn.Module, batch: RolloutBatch) -> Flat:
-    """The response tokens' logits in the packed layout (see the module docstring)."""
+def packed_inputs(
+    batch: RolloutBatch, device: torch.device
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], Tensor, Tensor]:
+    """The packed layout of ``batch`` (module docstring): ``(ids[bins, W], positions[bins, W],
+    select, row_of[N], t_of[N])``: the bins' token ids and restarting position ids (on
+    ``device``), ``select = (bins[N], cols[N])`` the cells (on ``device``) whose states
+    predict the N real response tokens, and each token's row and column (CPU, row by row)."""
     response_len = batch.attention_mask.sum(-1).long().tolist()
     responses = batch.response_ids.tolist()
     rows = [[*p, *r[:n]] for p, r, n in zip(batch.prompt_ids, responses, response_len, strict=True)]
@@ -239,8 +248,13 @@ def _packed_logits(device: torch.device, forward: torch.nn.Module, batch: Rollou
         [o + len(p) - 1 for o, p in zip(offset, batch.prompt_ids, strict=True)]
     )
     bins, cols = torch.as_tensor(where)[row_of], starts[row_of] + t_of
-    select = (bins.to(device), cols.to(device))
-    return forward(ids.to(device), pos.to(device), select=select), row_of, t_of
+    return ids.to(device), pos.to(device), (bins.to(device), cols.to(device)), row_of, t_of
+
+
+def _packed_logits(device: torch.device, forward: torch.nn.Module, batch: RolloutBatch) -> Flat:
+    """The response tokens' logits in the packed layout (see the module docstring)."""
+    ids, positions, select, row_of, t_of = packed_inputs(batch, device)
+    return forward(ids, positions, select=select), row_of, t_of
 
 
 def _shared_logits(device: torch.device, forward: torch.nn.Module, batch: RolloutBatch) -> Flat:

@@ -249,7 +249,8 @@ class OptimConfig(Section):
     the ratio's denominator, the entropy and the KL metric then come from that forward.
     `always` keeps the separate pass."""
     padding_free: Literal["auto", "on", "off"] = "auto"
-    """The layout of every scoring forward (update, re-scoring, reference, teacher rows).
+    """The layout of every scoring forward (update, re-scoring, reference, teacher rows, the
+    critic's values).
     `on`: padding-free, each response's real tokens packed end to end with position ids
     restarting per row (Llama-architecture models; fails for others); `off`: left-padded
     prompts and right-padded responses; `auto`: padding-free where the model allows, except
@@ -263,9 +264,9 @@ class OptimConfig(Section):
     responses attending to its keys and values; the policy, the reference and the critic
     (PPO, VAPO). `auto`: on the CPU, in every padding-free pass where a prompt repeats and
     the model's layers are plain Llama layers; on a GPU never (measured on an H100 it was
-    1.2-2.0x slower than the best layout in 7 of 8 cases); `on`: in every policy pass (fails for other
-    models; the critic treats it as `auto`); `off`: never. Agrees with the other layouts within float
-    rounding (1e-5 on log-probs); needs `padding_free` auto or on."""
+    1.2-2.0x slower than the best layout in 7 of 8 cases); `on`: in every policy pass (fails
+    for other models; the critic treats it as `auto`); `off`: never. Agrees with the other
+    layouts within float rounding (1e-5 on log-probs); needs `padding_free` auto or on."""
     autocast: Literal["off", "bf16"] = "off"
     """`bf16`: the policy's and the reference's forward passes (re-scoring, reference
     scoring, the update) under torch.autocast with bfloat16: bf16 matmuls, float32

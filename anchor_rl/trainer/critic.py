@@ -94,11 +94,14 @@ def new_critic(cfg: TrainConfig, policy: PreTrainedModel) -> Critic:
 
 
 def configured(critic: Critic, cfg: TrainConfig) -> Critic:
-    """``critic`` with the run's settings, in place: its scoring layout (shared prefixes
-    unless ``optim.shared_prefix`` or ``optim.padding_free`` is off; ``on`` acts as
-    ``auto``: the critic shares where a prompt repeats and its layers allow) and its
-    dropout off when ``disable_dropout`` (for value pretraining as for the RL stage)."""
-    critic.shared_prefix = layout(cfg)["shared"] is not False
+    """``critic`` with the run's settings, in place: its scoring layouts (packed unless
+    ``optim.padding_free`` is off, shared prefixes unless ``optim.shared_prefix`` or
+    ``optim.padding_free`` is off; ``on`` acts as ``auto``: each pass takes the layout
+    :meth:`Critic.layout` picks among those the backbone allows) and its dropout off when
+    ``disable_dropout`` (for value pretraining as for the RL stage)."""
+    allowed = layout(cfg)
+    critic.padding_free = allowed["packed"] is not False
+    critic.shared_prefix = allowed["shared"] is not False
     if cfg.disable_dropout:
         disable_dropout(critic)
     return critic

@@ -104,31 +104,50 @@ def test_micro_batch_gives_the_same_values(policy):
 
 
 @pytest.mark.parametrize("mode", ["separate", "shared"])
-def test_shared_prefix_values_and_gradients_equal_the_padded_ones(policy, mode):
-    """Groups that share a prompt (and an empty response): the shared-prefix forward gives
-    the padded layout's values and gradients within float rounding; distinct prompts keep
-    the padded layout."""
+def test_shared_and_packed_values_and_gradients_equal_the_padded_ones(policy, mode):
+    """Groups that share a prompt (and an empty response): the shared-prefix and the packed
+    forward give the padded layout's values and gradients within float rounding."""
     critic = random_head(Critic.from_causal_lm(policy, mode))
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0], PROMPTS[2]]
     responses = [RESPONSES[0], RESPONSES[2], RESPONSES[1], [], [30]]
     batch = make_batch(prompts, responses)
-    assert critic._shares_prefix(batch) and not critic._shares_prefix(
-        make_batch(PROMPTS, RESPONSES)
-    )
-    results = []
-    for shared in (True, False):
-        critic.shared_prefix = shared
+    results = {}
+    for padding_free, shared in ((True, True), (True, False), (False, False)):
+        critic.padding_free, critic.shared_prefix = padding_free, shared
+        kind = critic.layout(batch)
         values = critic.values(batch)
         (values**2).sum().backward()
-        results.append((values.detach(), [p.grad.clone() for p in critic.parameters()]))
+        grads = [p.grad.clone() for p in critic.parameters()]
+        results[kind] = values.detach(), grads
         critic.zero_grad(set_to_none=True)
-    (a, a_grads), (b, b_grads) = results
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert torch.all(a[batch.attention_mask == 0] == 0)
-    # the squared loss on a random head sums ~0.2-sized gradients over many positions, so
-    # rounding reaches ~3e-5 on single entries (a wrong mask moves the values by > 1e-2)
-    for x, y in zip(a_grads, b_grads, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
+    assert set(results) == {"shared", "packed", "padded"}
+    b, b_grads = results["padded"]
+    assert torch.all(b[batch.attention_mask == 0] == 0)
+    for kind in ("shared", "packed"):
+        a, a_grads = results[kind]
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert torch.all(a[batch.attention_mask == 0] == 0)
+        # the squared loss on a random head sums ~0.2-sized gradients over many positions,
+        # so rounding reaches ~3e-5 on single entries (a wrong mask moves values by > 1e-2)
+        for x, y in zip(a_grads, b_grads, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
+
+
+def test_the_critic_picks_its_layout_per_pass_as_the_policy_does(policy):
+    """On the CPU: shared prefixes where a prompt repeats, else packed; what is switched off
+    is not used; a backbone that cannot pack (GPT-2) is read padded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    critic = Critic.from_causal_lm(policy)
+    repeated = make_batch([PROMPTS[0], PROMPTS[0]], RESPONSES[:2])
+    distinct = make_batch(PROMPTS, RESPONSES)
+    assert (critic.layout(repeated), critic.layout(distinct)) == ("shared", "packed")
+    critic.shared_prefix = False
+    assert critic.layout(repeated) == "packed"
+    critic.padding_free = False
+    assert critic.layout(repeated) == critic.layout(distinct) == "padded"
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB))
+    assert Critic.from_causal_lm(gpt2).layout(distinct) == "padded"
 
 
 def test_separate_mode_owns_a_copy():
