@@ -10,7 +10,7 @@ of them importing another.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,6 +87,22 @@ class RolloutBatch:
             tool_calls=self.tool_calls[idx],
             truncated=self.truncated[idx],
             pad_id=self.pad_id,
+        )
+
+    def trimmed(self) -> RolloutBatch:
+        """The batch cut to its longest response (the last column ``attention_mask`` marks;
+        at least one column): a micro-batch of :meth:`select` keeps the whole batch's T, and
+        a padded forward would compute every column. ``self`` when there is nothing to cut."""
+        real = self.attention_mask.any(0).nonzero()
+        t = max(int(real[-1]) + 1 if len(real) else 0, 1)
+        if t >= self.response_ids.shape[1]:
+            return self
+        return replace(
+            self,
+            response_ids=self.response_ids[:, :t],
+            attention_mask=self.attention_mask[:, :t],
+            loss_mask=self.loss_mask[:, :t],
+            logprobs=self.logprobs[:, :t],
         )
 
     @staticmethod

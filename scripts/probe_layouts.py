@@ -10,7 +10,7 @@ tokens, seeded) is scored in the padded, packed (padding-free) and shared-prefix
 backward, ``micro_batch`` rows at a time as ``optim.micro_batch_size``) and the reference's
 (forward only, no grad). Median seconds over the whole batch after a warm-up, the update's
 peak device memory, and the token cells each layout computes: padded, every row the longest
-prompt plus the batch's response width (a micro-batch keeps the batch's width); packed,
+prompt plus the longest response of its micro-batch (``RolloutBatch.trimmed``); packed,
 its bins (first-fit, twice the longest row wide); shared, each distinct prompt once plus
 the responses. A pass is one micro-batch; ``layouts_chosen`` counts the passes
 ``token_logprobs`` would run in each layout by default on a GPU
@@ -101,7 +101,7 @@ def token_cells(batch: RolloutBatch, micro_batch: int) -> dict[str, int]:
         where, _, width = pack_rows(total)
         distinct = {tuple(p) for p in prompts}
         cells["real"] += sum(total)
-        cells["padded"] += len(rows) * (max(map(len, prompts)) + batch.response_ids.shape[1])
+        cells["padded"] += len(rows) * (max(map(len, prompts)) + max(lengths[i] for i in rows))
         cells["packed"] += (max(where) + 1) * width
         cells["shared"] += sum(map(len, distinct)) + sum(lengths[i] for i in rows)
     return cells

@@ -189,7 +189,8 @@ class Critic(nn.Module):
         if kind == "padded":
             # Same layout as token_logprobs: [pad.. prompt | response ..pad], positions count
             # real tokens, so the hidden state at column c sees exactly the real tokens at
-            # columns <= c.
+            # columns <= c; no columns past the longest response (a micro-batch's T).
+            width, batch = batch.response_ids.shape[1], batch.trimmed()
             ids, mask, positions = pack_prompt_response(batch, self.device)
             response_mask = batch.attention_mask.to(self.device)
             t = batch.response_ids.shape[1]
@@ -199,7 +200,8 @@ class Critic(nn.Module):
                 ).last_hidden_state
             # Column P + t - 1 (P = padded prompt width) ends s_t: the last T + 1 columns but one.
             state = hidden[:, -(t + 1) : -1, :].to(self.head.weight.dtype)
-            return self.head(state).squeeze(-1) * response_mask.to(self.head.weight.dtype)
+            values = self.head(state).squeeze(-1) * response_mask.to(self.head.weight.dtype)
+            return nn.functional.pad(values, (0, width - t))
         # the states that predict response token t end s_t (anchor_rl.models.scoring)
         with torch.set_grad_enabled(grad):
             if kind == "shared":

@@ -6,7 +6,8 @@ Three layouts compute the same function (up to float rounding, pinned in the tes
   concatenated: ``[pad.. prompt | response ..pad]``, so every response starts at the same
   column and the logits that predict it are the last ``T + 1`` positions but one. Position
   ids count real tokens only, so a row's positions do not depend on how much padding it
-  got. Every row costs the longest prompt plus the longest response.
+  got. Every row costs the pass's longest prompt plus its longest response (a micro-batch is
+  cut to its own, :meth:`RolloutBatch.trimmed`).
 - packed (padding-free): each row's real tokens, ``prompt + response``, are laid end to end
   in a few bins (first-fit decreasing into bins twice the longest row), position ids
   restarting at 0 for every row and no attention mask, so the model's mask builder makes
@@ -34,6 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -136,8 +138,8 @@ def gpu_packs(batch: RolloutBatch, parameters: int) -> bool:
     """Whether a GPU pass over ``batch`` with a model of ``parameters`` packs by default
     (``packed=None``) rather than pads: its forward is :data:`GPU_PACK_MIN_FLOP` or more and
     padding would cost :data:`GPU_PACK_MIN_SAVING` times the packed bins' cells or more.
-    The padded layout computes ``B x (longest prompt + T)`` cells (``T`` =
-    ``response_ids.shape[1]``), the packed one its bins (:func:`pack_rows`)."""
+    The padded layout computes ``B x (longest prompt + longest response)`` cells, the packed
+    one its bins (:func:`pack_rows`)."""
     lengths = [
         len(p) + n
         for p, n in zip(batch.prompt_ids, batch.attention_mask.sum(-1).long().tolist(), strict=True)
@@ -145,7 +147,7 @@ def gpu_packs(batch: RolloutBatch, parameters: int) -> bool:
     if 2 * parameters * sum(lengths) < GPU_PACK_MIN_FLOP:
         return False
     where, _, width = pack_rows(lengths)
-    padded = len(batch) * (max(map(len, batch.prompt_ids)) + batch.response_ids.shape[1])
+    padded = len(batch) * (max(map(len, batch.prompt_ids)) + batch.trimmed().response_ids.shape[1])
     return padded >= GPU_PACK_MIN_SAVING * (max(where) + 1) * width
 
 
@@ -288,7 +290,8 @@ def _score(
     with_entropy: bool,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    device = model.device
+    device, width = model.device, batch.response_ids.shape[1]
+    batch = batch.trimmed()  # no columns past the longest response (a micro-batch's T)
     ids, mask, positions = pack_prompt_response(batch, device)
     response_mask = batch.attention_mask.to(device)
     t = batch.response_ids.shape[1]
@@ -296,6 +299,9 @@ def _score(
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, batch.response_ids.to(device)[..., None]).squeeze(-1) * response_mask
     entropy = entropy_from_logp(logp_all) * response_mask if with_entropy else None
+    if t < width:  # back to the batch's width, 0 past the responses
+        logp = F.pad(logp, (0, width - t))
+        entropy = None if entropy is None else F.pad(entropy, (0, width - t))
     return logp, entropy
 
 

@@ -95,9 +95,13 @@ def test_changing_token_t_changes_only_later_values(policy):
     torch.testing.assert_close(after[1:], base[1:], rtol=0, atol=1e-6)  # other rows
 
 
-def test_micro_batch_gives_the_same_values(policy):
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_micro_batch_gives_the_same_values(policy, padding_free):
+    """Packed and padded (a padded micro-batch cut to its own longest response)."""
     critic = random_head(Critic.from_causal_lm(policy))
+    critic.padding_free = padding_free
     batch = make_batch(PROMPTS, RESPONSES)
+    assert critic.layout(batch) == ("packed" if padding_free else "padded")
     torch.testing.assert_close(
         critic.values(batch, micro_batch=1), critic.values(batch), rtol=0, atol=1e-5
     )

@@ -13,6 +13,7 @@ from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import (
     GPU_PACK_MIN_FLOP,
+    ScoringForward,
     entropy_from_logp,
     gpu_packs,
     left_pad,
@@ -167,3 +168,29 @@ def test_pass_layout_defaults_differ_by_device_and_explicit_settings_win():
         assert layout(short, packed=True, shared=False, device=device) == "packed"
         assert layout(skewed, packed=False, device=device) == "padded"
         assert layout(skewed, can_pack=False, device=device) == "padded"
+
+
+def test_padded_micro_batches_score_only_their_own_columns():
+    """A padded micro-batch of short rows is cut to its longest response (RolloutBatch.trimmed)
+    and its outputs padded back with zeros: the same numbers as the whole batch."""
+    short, long = TOK.encode("abc"), TOK.encode("a much longer response than that")
+    batch = response_batch(PROMPTS, [short, long], TOK.pad_token_id)
+    n = len(short)
+    assert n < batch.response_ids.shape[1]
+    widths = []  # the columns each padded pass runs
+
+    class Recording(ScoringForward):
+        def forward(self, ids, positions, **kwargs):
+            widths.append(ids.shape[1])
+            return super().forward(ids, positions, **kwargs)
+
+    whole, whole_ent = token_logprobs(MODEL, batch, with_entropy=True, packed=False)
+    with torch.no_grad():
+        parts, ent = token_logprobs(
+            MODEL, batch, True, micro_batch=1, packed=False, forward=Recording(MODEL)
+        )
+    assert widths == [len(PROMPTS[0]) + n, len(PROMPTS[1]) + len(long)]
+    assert parts.shape == whole.shape == batch.response_ids.shape
+    torch.testing.assert_close(parts, whole.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, whole_ent.detach(), rtol=0, atol=1e-5)
+    assert (parts[0, n:] == 0).all() and (ent[0, n:] == 0).all()

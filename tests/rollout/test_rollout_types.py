@@ -52,6 +52,21 @@ def test_select_by_index_and_mask_keeps_rows_in_order():
         rb.select(torch.tensor([True, False]))
 
 
+def test_trimmed_cuts_the_columns_past_the_longest_response():
+    rb = batch([[1], [2, 3], [4, 5, 6, 7]], [[1], [1, 0], [1, 0, 1, 1]], [0, 1, 1])
+    assert rb.trimmed() is rb  # nothing to cut
+    short = rb.select([1, 0])  # T = 4 kept, the longest response has 2 tokens
+    cut = short.trimmed()
+    assert cut.response_ids.tolist() == [[2, 3], [1, PAD]]
+    assert cut.attention_mask.tolist() == [[1, 1], [1, 0]]
+    assert cut.loss_mask.tolist() == [[1, 0], [1, 0]]
+    assert cut.logprobs.tolist() == [[-0.5, 0.0], [-0.5, 0.0]]
+    assert cut.texts == short.texts and cut.prompt_ids == short.prompt_ids
+    empty = rb.select([0])
+    empty.attention_mask[:] = 0
+    assert empty.trimmed().response_ids.shape == (1, 1)  # at least one column
+
+
 def test_cat_repads_to_longest_with_pad_id_and_zero_masks():
     a = batch([[1, 2]], [[1, 1]], [0])
     b = batch([[3, 4, 5, 6]], [[1, 0, 0, 1]], [1])
