@@ -346,7 +346,7 @@ def test_a_driver_killed_mid_presample_on_workers_resumes_to_the_single_process_
 ) -> None:
     """kill -9 of the driver while 2 Ray workers presample, then the same command again: the
     store ends with exactly the rows one process writes (the driver is the only writer)."""
-    prompts, m = 96, 4
+    prompts, m = 48, 4
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
 
     def driver(db: Path, engine: str) -> list[str]:
