@@ -28,7 +28,8 @@
 # A dry run of the plumbing on the CPU (small shapes, 1-step smoke profiles):
 #   GPU_TABLES_DEVICE=cpu GPU_TABLES_MODEL="--hidden 64 --layers 2 --heads 4 --kv-heads 2
 #   --intermediate 128" GPU_TABLES_BENCH="--profile quick" GPU_TABLES_BASE=random:tiny
-#   bash scripts/gpu_tables.sh /tmp/gpu-dry
+#   GPU_TABLES_SKIP=layouts bash scripts/gpu_tables.sh /tmp/gpu-dry
+# (the layouts stage's 1,024-token profiles take minutes a model on a CPU).
 set -u
 out=${1:-runs/gpu}
 budget=${GPU_TABLES_SECONDS:-540}
