@@ -227,7 +227,9 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up from lr/warmup_steps to lr over this many optimizer steps."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """AdamW weight decay. The optimizer is PyTorch's fused AdamW (one kernel over all
+    parameters; TRL's default too) where every parameter is a plain CPU or CUDA tensor, else
+    its default (foreach) implementation."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
         0.9,
         0.999,

@@ -191,6 +191,14 @@ def test_docs_list_every_field_with_its_default() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
     missing = [key for key, default, _ in describe() if f"| `{key}` | `{default}` |" not in doc]
     assert missing == []
+    # the table is written from the fields' own docs (scripts/update_config_table.py): an
+    # edit to the table alone would be lost at the next regeneration
+    stale = [
+        key
+        for key, default, meaning in describe()
+        if f"| `{key}` | `{default}` | {meaning} |" not in doc
+    ]
+    assert stale == [], "run python scripts/update_config_table.py"
 
 
 # Every combination the config refuses: (the docs table's first column, preset, overrides,
