@@ -83,7 +83,7 @@ stage trl-base-bf16 250 anchor-rl bench trl --device "$dev" --seeds 0,1,2 --step
 # on the H100 the padded update was 2.4x as fast at the trl suite's lengths: the layouts at
 # RL lengths too (1024-token responses), on both models
 stage layouts 150 python3 scripts/probe_layouts.py "$base" "$big" --device "$dev" \
-  --autocast bf16 --repeats 3 --out "$out/layouts-bf16.json"
+  --autocast bf16 --repeats 3 --micro-batch 8 --out "$out/layouts-bf16.json"
 stage throughput-base-bf16 60 anchor-rl bench throughput --device "$dev" --steps 5 "${bench[@]}" \
   --out "$out/throughput-base-bf16" "model=$base" "${B[@]}"
 # the update's layouts were chosen on the CPU; on a GPU the padded one (fewer, larger
