@@ -89,12 +89,17 @@ class RolloutBatch:
             pad_id=self.pad_id,
         )
 
-    def trimmed(self) -> RolloutBatch:
-        """The batch cut to its longest response (the last column ``attention_mask`` marks;
-        at least one column): a micro-batch of :meth:`select` keeps the whole batch's T, and
-        a padded forward would compute every column. ``self`` when there is nothing to cut."""
+    @property
+    def response_width(self) -> int:
+        """Columns up to the last one ``attention_mask`` marks, at least 1: the width of the
+        longest response, less than T in a micro-batch of :meth:`select` (which keeps T)."""
         real = self.attention_mask.any(0).nonzero()
-        t = max(int(real[-1]) + 1 if len(real) else 0, 1)
+        return max(int(real[-1]) + 1 if len(real) else 0, 1)
+
+    def trimmed(self) -> RolloutBatch:
+        """The batch cut to :attr:`response_width` columns (a padded forward would compute
+        every column). ``self`` when there is nothing to cut."""
+        t = self.response_width
         if t >= self.response_ids.shape[1]:
             return self
         return replace(

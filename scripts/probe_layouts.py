@@ -31,14 +31,19 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.bench.throughput import emit
-from anchor_rl.models.scoring import pack_rows, pass_layout, token_logprobs
+from anchor_rl.models.scoring import pass_cells, pass_layout, token_logprobs
+from anchor_rl.models.shared_prefix import SharedPrefixLayout
+from anchor_rl.rollout.agent import Response
+from anchor_rl.rollout.engine import pack
 from anchor_rl.rollout.spec import load_spec
 
 PROMPTS, RESPONSES = 8, 8
@@ -51,11 +56,13 @@ PROFILES = {  # name: (prompt lengths (lo, hi), response lengths (lo, hi), budge
 LAYOUTS = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
 
 
-def synthetic_batch(profile: str, vocab: int, pad_id: int, seed: int = 0) -> RolloutBatch:
-    """8 prompts x 8 responses of random token ids (none of them ``pad_id``) with the
-    profile's lengths; ``response_ids`` right-padded to the longest response."""
+def synthetic_batch(
+    profile: str, tokenizer: PreTrainedTokenizerBase, vocab: int, seed: int = 0
+) -> RolloutBatch:
+    """8 prompts x 8 responses of random token ids below ``vocab`` (none of them the
+    tokenizer's pad id) with the profile's lengths, as the engine packs a rollout."""
     (p_lo, p_hi), (r_lo, r_hi), budget, share_long = PROFILES[profile]
-    gen = torch.Generator().manual_seed(seed)
+    gen, pad_id = torch.Generator().manual_seed(seed), tokenizer.pad_token_id
 
     def between(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (), generator=gen))
@@ -65,45 +72,32 @@ def synthetic_batch(profile: str, vocab: int, pad_id: int, seed: int = 0) -> Rol
         return torch.where(ids == pad_id, ids + 1, ids).tolist()
 
     prompts = [tokens(between(p_lo, p_hi)) for _ in range(PROMPTS)]
-    b = PROMPTS * RESPONSES
     lengths = [
         budget if torch.rand((), generator=gen) < share_long else between(r_lo, r_hi)
-        for _ in range(b)
+        for _ in range(PROMPTS * RESPONSES)
     ]
-    t = max(lengths)
-    response_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, t)
-    for i, n in enumerate(lengths):
-        response_ids[i, :n] = torch.as_tensor(tokens(n))
-        mask[i, :n] = 1
-    return RolloutBatch(
-        group=torch.arange(PROMPTS).repeat_interleave(RESPONSES),
-        prompt_ids=[prompts[i // RESPONSES] for i in range(b)],
-        response_ids=response_ids,
-        attention_mask=mask,
-        loss_mask=mask.clone(),
-        logprobs=torch.zeros(b, t),
-        texts=[""] * b,
-        tool_calls=torch.zeros(b, dtype=torch.long),
-        truncated=torch.tensor([n >= budget for n in lengths]),
-        pad_id=pad_id,
-    )
+    responses = [Response(tokens(n), [0.0] * n, [True] * n, truncated=n >= budget) for n in lengths]
+    rows = range(PROMPTS * RESPONSES)
+    group = torch.arange(PROMPTS).repeat_interleave(RESPONSES)
+    return pack(responses, [prompts[i // RESPONSES] for i in rows], group, tokenizer)
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
+    """``batch`` in runs of ``size`` rows, in order (``optim.micro_batch_size``)."""
+    for start in range(0, len(batch), size):
+        yield batch.select(range(start, min(start + size, len(batch))))
 
 
 def token_cells(batch: RolloutBatch, micro_batch: int) -> dict[str, int]:
-    """Token positions each layout runs through the model, summed over the micro-batches."""
+    """Token positions each layout runs through the model, summed over the micro-batches
+    (:func:`~anchor_rl.models.scoring.pass_cells`; shared: each distinct prompt's real
+    tokens once plus the responses')."""
     cells = {"real": 0, "padded": 0, "packed": 0, "shared": 0}
-    lengths = batch.attention_mask.sum(-1).long().tolist()
-    for start in range(0, len(batch), micro_batch):
-        rows = range(start, min(start + micro_batch, len(batch)))
-        prompts = [batch.prompt_ids[i] for i in rows]
-        total = [len(prompts[j]) + lengths[i] for j, i in enumerate(rows)]
-        where, _, width = pack_rows(total)
-        distinct = {tuple(p) for p in prompts}
-        cells["real"] += sum(total)
-        cells["padded"] += len(rows) * (max(map(len, prompts)) + max(lengths[i] for i in rows))
-        cells["packed"] += (max(where) + 1) * width
-        cells["shared"] += sum(map(len, distinct)) + sum(lengths[i] for i in rows)
+    for chunk in micro_batches(batch, micro_batch):
+        for name, count in pass_cells(chunk).items():
+            cells[name] += count
+        layout = SharedPrefixLayout.of(chunk)
+        cells["shared"] += int(layout.prompt_mask.sum()) + len(layout.tokens)
     return cells
 
 
@@ -112,8 +106,7 @@ def gpu_defaults(batch: RolloutBatch, micro_batch: int, parameters: int) -> dict
     for a model of ``parameters``."""
     chosen: dict[str, int] = {}
     gpu = torch.device("cuda")
-    for start in range(0, len(batch), micro_batch):
-        chunk = batch.select(range(start, min(start + micro_batch, len(batch))))
+    for chunk in micro_batches(batch, micro_batch):
         kind = pass_layout(chunk, None, None, True, True, gpu, parameters)
         chosen[kind] = chosen.get(kind, 0) + 1
     return chosen
@@ -133,8 +126,7 @@ def layout_times(
     device_type = "cuda" if cuda else "cpu"
 
     def update(packed: bool, shared: bool) -> None:
-        for start in range(0, len(batch), micro_batch):  # gradient accumulation
-            chunk = batch.select(range(start, min(start + micro_batch, len(batch))))
+        for chunk in micro_batches(batch, micro_batch):  # gradient accumulation
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
                 logp, entropy = token_logprobs(model, chunk, True, packed=packed, shared=shared)
             (logp.sum() + entropy.sum()).backward()
@@ -178,7 +170,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         vocab = model.config.vocab_size
         parameters = sum(p.numel() for p in model.parameters())
         for profile in args.profiles:
-            batch = synthetic_batch(profile, vocab, tokenizer.pad_token_id)
+            batch = synthetic_batch(profile, tokenizer, vocab)
             row = {
                 "spec": spec,
                 "profile": profile,

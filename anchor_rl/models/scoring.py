@@ -134,21 +134,33 @@ token cells. On the H100, in passes of 0.9-14 TFLOP: a ratio of 1.0 left padded 
 as fast; 1.23-1.32 made packed 1.06-1.08x as fast; 1.74-2.0, 1.36-1.44x."""
 
 
-def gpu_packs(batch: RolloutBatch, parameters: int) -> bool:
-    """Whether a GPU pass over ``batch`` with a model of ``parameters`` packs by default
-    (``packed=None``) rather than pads: its forward is :data:`GPU_PACK_MIN_FLOP` or more and
-    padding would cost :data:`GPU_PACK_MIN_SAVING` times the packed bins' cells or more.
-    The padded layout computes ``B x (longest prompt + longest response)`` cells, the packed
-    one its bins (:func:`pack_rows`)."""
+def pass_cells(batch: RolloutBatch) -> dict[str, int]:
+    """The token cells one pass over ``batch`` runs through the model: ``real`` (prompt and
+    response tokens), ``padded`` (``B x (longest prompt + longest response)``, the padded
+    layout cutting the columns past the longest response) and ``packed`` (its bins,
+    :func:`pack_rows`)."""
     lengths = [
         len(p) + n
         for p, n in zip(batch.prompt_ids, batch.attention_mask.sum(-1).long().tolist(), strict=True)
     ]
-    if 2 * parameters * sum(lengths) < GPU_PACK_MIN_FLOP:
-        return False
     where, _, width = pack_rows(lengths)
-    padded = len(batch) * (max(map(len, batch.prompt_ids)) + batch.trimmed().response_ids.shape[1])
-    return padded >= GPU_PACK_MIN_SAVING * (max(where) + 1) * width
+    return {
+        "real": sum(lengths),
+        "padded": len(batch) * (max(map(len, batch.prompt_ids)) + batch.response_width),
+        "packed": (max(where) + 1) * width,
+    }
+
+
+def gpu_packs(batch: RolloutBatch, parameters: int) -> bool:
+    """Whether a GPU pass over ``batch`` with a model of ``parameters`` packs by default
+    (``packed=None``) rather than pads: its forward is :data:`GPU_PACK_MIN_FLOP` or more and
+    padding would cost :data:`GPU_PACK_MIN_SAVING` times the packed cells or more
+    (:func:`pass_cells`)."""
+    cells = pass_cells(batch)
+    return (
+        2 * parameters * cells["real"] >= GPU_PACK_MIN_FLOP
+        and cells["padded"] >= GPU_PACK_MIN_SAVING * cells["packed"]
+    )
 
 
 def shares_by_default(device: torch.device) -> bool:

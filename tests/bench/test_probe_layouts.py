@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import load_script
 
+from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.spec import load_spec
 
 probe = load_script("probe_layouts")
@@ -15,7 +16,9 @@ probe = load_script("probe_layouts")
 @pytest.mark.parametrize("profile", list(probe.PROFILES))
 def test_synthetic_batches_follow_their_profile(profile: str) -> None:
     (p_lo, p_hi), (r_lo, r_hi), budget, share_long = probe.PROFILES[profile]
-    batch = probe.synthetic_batch(profile, vocab=111, pad_id=0)
+    tokenizer = build_tokenizer()
+    assert tokenizer.pad_token_id == 0
+    batch = probe.synthetic_batch(profile, tokenizer, vocab=len(tokenizer))
     lengths = batch.attention_mask.sum(-1).long().tolist()
     assert len(batch) == probe.PROMPTS * probe.RESPONSES
     assert all(p_lo <= len(p) <= p_hi and 0 not in p for p in batch.prompt_ids)
@@ -33,7 +36,7 @@ def test_synthetic_batches_follow_their_profile(profile: str) -> None:
 
 def test_every_layout_is_timed() -> None:
     model, tokenizer = load_spec("random:tiny", "arithmetic", {}, 0, "cpu", progress=False)
-    batch = probe.synthetic_batch("short", model.config.vocab_size, tokenizer.pad_token_id)
+    batch = probe.synthetic_batch("short", tokenizer, model.config.vocab_size)
     before = [p.detach().clone() for p in model.parameters()]
     times = probe.layout_times(model.train(), batch, "cpu", False, repeats=1, micro_batch=32)
     for phase in ("update", "reference"):
