@@ -6,8 +6,9 @@ T response tokens.
 ``collect`` draws prompts from the stream, samples ``n`` responses each, scores them and
 applies the group filter. Response ``j`` of the prompt drawn ``d``-th from the stream is
 seeded by ``(seed, "train", d, j)`` (:func:`train_requests`), whatever else is sampled
-with it. Without a filter that is one round. With dynamic sampling
-(DAPO) groups whose rewards are all equal carry no gradient, so they are dropped and
+with it. Without a filter that is one round. With dynamic sampling (DAPO) the groups whose
+responses are all correct or all wrong (``filter.metric=correct``; ``reward``: whose shaped
+rewards are all equal) carry no signal under a group baseline, so they are dropped and
 further rounds are sampled until ``prompts_per_step`` groups are kept or
 ``filter.max_rounds`` rounds have run; surplus kept groups of the last round are dropped.
 """
@@ -209,12 +210,16 @@ def score(
     return Scored(batch, list(records), rewards, task_rewards, correct, draws=draws)
 
 
-def informative_groups(scored: Scored) -> Tensor:
-    """BoolTensor[G]: groups whose rewards are not all equal (dynamic sampling's filter)."""
-    g = len(scored.records)
-    group = scored.batch.group
-    high = torch.full((g,), -torch.inf).scatter_reduce(0, group, scored.rewards, "amax")
-    low = torch.full((g,), torch.inf).scatter_reduce(0, group, scored.rewards, "amin")
+def informative_groups(scored: Scored, metric: str = "correct") -> Tensor:
+    """BoolTensor[G]: dynamic sampling's filter (``filter.metric``): ``correct``, the groups
+    with some responses correct and some not (DAPO's ``0 < #correct < n``); ``reward``, the
+    groups whose shaped rewards are not all equal."""
+    if metric not in ("correct", "reward"):
+        raise ValueError(f"unknown dynamic-sampling metric {metric!r}: use correct or reward")
+    values = scored.correct.float() if metric == "correct" else scored.rewards
+    g, group = len(scored.records), scored.batch.group
+    high = torch.full((g,), -torch.inf).scatter_reduce(0, group, values, "amax")
+    low = torch.full((g,), torch.inf).scatter_reduce(0, group, values, "amin")
     return high > low
 
 
@@ -246,7 +251,9 @@ def collect(
         with timer("score"):
             scored = score(task, batch, records, cfg, draws)
         generated.append(scored)
-        kept.append(scored.select_groups(informative_groups(scored)) if dynamic else scored)
+        if dynamic:
+            scored = scored.select_groups(informative_groups(scored, cfg.filter.metric))
+        kept.append(scored)
         have = sum(len(k.records) for k in kept)
         if have >= want or rounds >= cfg.filter.max_rounds:
             break

@@ -116,10 +116,16 @@ class FilterConfig(Section):
     """Which groups are trained on."""
 
     kind: Literal["none", "dynamic", "group"] = "none"
-    """`none`: every group. `dynamic` (DAPO): drop groups whose rewards are all equal and sample
-    more prompts until prompts_per_step groups are kept. `group` (PVPO group sampling): before
-    training, drop the prompts the reference always solves and give the ones it never solves a
-    teacher trajectory (see the `pvpo` section)."""
+    """`none`: every group. `dynamic` (DAPO): drop the groups that carry no learning signal
+    (`metric`) and sample more prompts until prompts_per_step groups are kept. `group` (PVPO
+    group sampling): before training, drop the prompts the reference always solves and give the
+    ones it never solves a teacher trajectory (see the `pvpo` section)."""
+    metric: Literal["correct", "reward"] = "correct"
+    """Dynamic sampling: which groups it drops. `correct` (DAPO's filter, verl's
+    filter_groups.metric=acc): those whose responses are all correct or all wrong. `reward`:
+    those whose shaped rewards (task reward plus the soft overlong punishment) are all equal,
+    which keeps an all-correct group one of whose responses the punishment docked, and
+    std-normalised advantages then make a small length penalty a full-sized one."""
     max_rounds: int = Field(3, gt=0)
     """Dynamic sampling: most generation rounds per step; a step trains on the groups it has
     kept when the bound is hit (logged as filter/kept_groups)."""
@@ -615,15 +621,16 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     if cfg.filter.kind == "dynamic" and reads & {"anchor", "baseline"}:
         errors.append(
             f"filter.kind=dynamic with advantage.estimator={est}: dynamic sampling "
-            "drops groups whose rewards are all equal, which carry gradient against "
+            "drops groups whose responses all score alike, which carry gradient against "
             "a per-prompt baseline (r - V is not 0); use filter.kind=group or none"
         )
-    if cfg.filter.kind != "dynamic" and _changed(cfg.filter, ("max_rounds",)):
+    if cfg.filter.kind != "dynamic" and (names := _changed(cfg.filter, ("max_rounds", "metric"))):
         errors.append(
             _no_effect(
                 "filter",
-                ["max_rounds"],
-                "it bounds dynamic sampling's rounds; set filter.kind=dynamic or drop it",
+                names,
+                f"only dynamic sampling reads {'it' if len(names) == 1 else 'them'}; "
+                f"set filter.kind=dynamic or drop {'it' if len(names) == 1 else 'them'}",
             )
         )
     if "gamma" not in reads and _changed(cfg.advantage, ("gamma",)):

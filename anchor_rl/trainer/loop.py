@@ -4,7 +4,7 @@ One step::
 
     1 rollout    collect.generate        n responses for each of P prompts
     2 rewards    collect.score           task reward (+ soft overlong punishment)
-    3 filter     collect.collect         dynamic sampling: drop all-equal groups, resample
+    3 filter     collect.collect         dynamic sampling: drop groups all right or all wrong, resample
                  component.on_rollouts   each method component in turn: V0.5's top-ups and
                                          fused baseline, PVPO's refresh and teacher rows
     4 log-probs  update.score_logprobs   old (sampling) policy, reference when KL is on (the

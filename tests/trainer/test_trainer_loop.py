@@ -149,8 +149,25 @@ def test_informative_groups_by_hand() -> None:
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     records = [Record(str(i), "q", "a") for i in range(3)]
     scored = Scored(batch, records, rewards, rewards, rewards > 0)
-    assert informative_groups(scored).tolist() == [False, True, False]
+    for metric in ("correct", "reward"):
+        assert informative_groups(scored, metric).tolist() == [False, True, False]
     assert len(scored) == rows
+    with pytest.raises(ValueError, match="use correct or reward"):
+        informative_groups(scored, "accuracy")
+
+
+def test_dynamic_sampling_drops_shaped_groups_all_right_or_all_wrong() -> None:
+    """The overlong punishment docks one response of an all-correct group and one of an
+    all-wrong group: DAPO's filter (metric=correct) drops both, the shaped rewards differ."""
+    batch = _ScriptedEngine([[["0", "0"], ["0", "1"], ["1", "1"]]]).rollout(
+        requests(["a", "b", "c"], 2), None
+    )
+    correct = torch.tensor([True, True, True, False, False, False])
+    shaped = correct.float() + torch.tensor([0.0, -0.25, 0.0, 0.0, 0.0, -0.5])
+    records = [Record(str(i), "q", "a") for i in range(3)]
+    scored = Scored(batch, records, shaped, correct.float(), correct)
+    assert informative_groups(scored).tolist() == [False, True, False]
+    assert informative_groups(scored, "reward").tolist() == [True, True, True]
 
 
 @pytest.mark.slow

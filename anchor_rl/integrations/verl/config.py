@@ -310,8 +310,8 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
         )
     if select(cfg, "algorithm.filter_groups.enable", False) and name in ("pvpo", "v05"):
         raise ValueError(
-            "algorithm.filter_groups (DAPO dynamic sampling) drops groups whose rewards are all "
-            f"equal, which still carry gradient against the per-prompt baseline of {name}: "
+            "algorithm.filter_groups (DAPO dynamic sampling) drops groups whose responses all "
+            f"score alike, which still carry gradient against the per-prompt baseline of {name}: "
             "set algorithm.filter_groups.enable=false"
         )
     n = int(select(cfg, "actor_rollout_ref.rollout.n", 1))
