@@ -1,8 +1,8 @@
 """The built-in character-level tokenizer.
 
 Every printable ASCII character, newline and tab is one token; the chat and tag tokens
-below are single tokens too, so a stop on ``</answer>`` or ``</search>`` is a stop on
-one token id. Characters outside that set map to ``<unk>`` (and so do not round-trip).
+below are single tokens too, so a model closes its answer or a tool call with one token
+(the sampler also stops on a tag spelled out character by character). Characters outside that set map to ``<unk>`` (and so do not round-trip).
 
 The chat template is deliberately terse (the built-in tiny models learn the format
 from SFT, not from instructions), and it **drops system messages**: a task's

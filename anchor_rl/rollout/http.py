@@ -677,11 +677,8 @@ def _stop_of(
 ) -> str | None:
     """How a turn ended, as ``generate_turn`` decides it: the stop its last token completes,
     ``EOS`` when the server stopped on a stop of its own, None when it ran out of budget."""
-    if ids:
-        if (hit := stops.token_stops.get(ids[-1])) is not None:
-            return hit
-        if (hit := stops.string_stop(tokenizer, ids)) is not None:
-            return hit
+    if ids and (hit := stops.match(tokenizer, ids)) is not None:
+        return hit
     return None if finish == "length" else EOS
 
 

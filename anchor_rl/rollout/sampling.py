@@ -17,6 +17,7 @@ that rounding of a CDF boundary).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,44 +46,96 @@ class Turn:
 
 @dataclass(frozen=True)
 class StopSet:
-    """The ways a turn ends.
+    """The ways a turn ends: an eos token, or a stop string appearing in the decoded text.
 
-    token_stops: token id -> stop string, for stop strings that are a single token and
-        for eos ids (mapped to ``EOS``). A stop string that is one token stops only on
-        that token; the same characters spelled out as several tokens do not stop.
-    string_stops: stop strings that take several tokens, matched on decoded text.
+    Stop strings are matched on text, as OpenAI-compatible servers match ``stop``: a stop
+    ends the turn whether it is one token, spelled by several, or inside a longer token's
+    text (``"\\n"`` inside a ``"\\n\\n"`` token, ``">"`` inside ``"</answer>"``). The text
+    is decoded only after a token that can complete a stop (:func:`quiet_tokens`: the
+    others are ``quiet``), so a turn decodes a few times rather than once a token.
+
+    eos: the eos ids; they end a turn as :data:`EOS`.
+    strings: the stop strings, in the order given.
+    quiet: the token ids after which no stop string can newly appear.
     """
 
-    token_stops: dict[int, str]
-    string_stops: tuple[str, ...]
+    eos: frozenset[int]
+    strings: tuple[str, ...]
+    quiet: frozenset[int]
 
     @staticmethod
     def build(
         tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], eos_ids: Sequence[int]
     ) -> StopSet:
-        token_stops = {int(i): EOS for i in eos_ids}
-        string_stops = []
-        for s in dict.fromkeys(stop):
-            if not s:
-                raise ValueError("empty stop string")
-            ids = tokenizer.encode(s, add_special_tokens=False)
-            if len(ids) == 1:
-                token_stops[ids[0]] = s
-            else:
-                string_stops.append(s)
-        return StopSet(token_stops, tuple(string_stops))
+        strings = tuple(dict.fromkeys(stop))
+        if any(not s for s in strings):
+            raise ValueError("empty stop string")
+        quiet = quiet_tokens(tokenizer, strings) if strings else frozenset()
+        return StopSet(frozenset(int(i) for i in eos_ids), strings, quiet)
+
+    def match(self, tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str | None:
+        """What the last token of ``ids`` (non-empty) ends the turn with: ``EOS`` for an eos
+        id, else the stop string it makes appear (:meth:`string_stop`), else None."""
+        last = ids[-1]
+        if last in self.eos:
+            return EOS
+        if not self.strings or last in self.quiet:
+            return None
+        return self.string_stop(tokenizer, ids)
 
     def string_stop(self, tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str | None:
-        """The first string stop (in :attr:`string_stops` order) in the decoded tail of
-        ``ids``, None if none. The tail is long enough to hold any stop whatever the
-        tokenizer: a token spells at least one byte (a byte-level or byte-fallback
-        tokenizer may spend four tokens on one character), so it is the longest stop's
-        UTF-8 bytes plus two tokens."""
-        if not self.string_stops:
+        """The stop string in the decoded tail of ``ids`` that starts first (the first listed
+        of those starting at the same place), None if none: cutting the text there leaves no
+        stop in it. The tail is long enough to hold any stop whatever the tokenizer: a token
+        spells at least one byte (a byte-level or byte-fallback tokenizer may spend four
+        tokens on one character), so it is the longest stop's UTF-8 bytes plus two tokens."""
+        if not self.strings:
             return None
-        window = max(len(s.encode("utf-8")) for s in self.string_stops) + 2
+        window = max(len(s.encode("utf-8")) for s in self.strings) + 2
         tail = tokenizer.decode(list(ids[-window:]))
-        return next((s for s in self.string_stops if s in tail), None)
+        found = [(at, i) for i, s in enumerate(self.strings) if (at := tail.find(s)) >= 0]
+        return self.strings[min(found)[1]] if found else None
+
+
+@functools.lru_cache(maxsize=32)
+def quiet_tokens(tokenizer: PreTrainedTokenizerBase, strings: tuple[str, ...]) -> frozenset[int]:
+    """The token ids after which none of the stop ``strings`` can newly appear in a text.
+
+    A stop newly appears only if it ends inside the new token's text: it lies within that
+    text, or it began earlier and a prefix of the text is a suffix of it. A token is quiet
+    when neither holds for any stop, its text is known (:func:`token_texts`) and it holds
+    no byte of an unfinished character (``\\ufffd``: byte-level tokens complete characters
+    in context). Cached per tokenizer and stops (a run's stops are the same every turn)."""
+
+    def may_end(text: str) -> bool:
+        return any(
+            stop in text
+            or any(stop.endswith(text[:p]) for p in range(1, min(len(text), len(stop)) + 1))
+            for stop in strings
+        )
+
+    return frozenset(
+        i
+        for i, text in enumerate(token_texts(tokenizer))
+        if text is not None and "\ufffd" not in text and not may_end(text)
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def token_texts(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, ...]:
+    """The text each token id adds to a decoded text (index: the id; ``len(tokenizer)``
+    ids), read as what decoding it after a plain ``a`` appends: decoding a token alone
+    loses a leading space in SentencePiece tokenizers. None where the decoded pair does not
+    start with the ``a`` (clean-up rules that rewrite across tokens), or for every id when
+    ``a`` is not one token: such texts are unknown, and :class:`StopSet` decodes after
+    them. Cached per tokenizer (a large vocabulary's pass takes a fraction of a second)."""
+    size = len(tokenizer)
+    anchor = tokenizer.encode("a", add_special_tokens=False)
+    if len(anchor) != 1:
+        return (None,) * size
+    head = tokenizer.decode(anchor)
+    pairs = tokenizer.batch_decode([[anchor[0], i] for i in range(size)])
+    return tuple(text[len(head) :] if text.startswith(head) else None for text in pairs)
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -209,9 +262,7 @@ def generate_turn(
             turn = turns[row]
             turn.tokens.append(tok)
             turn.logprobs.append(lp)
-            turn.stop = stops.token_stops.get(tok)
-            if turn.stop is None and stops.string_stops:
-                turn.stop = stops.string_stop(tokenizer, turn.tokens)
+            turn.stop = stops.match(tokenizer, turn.tokens)
             done.append(turn.stop is not None or len(turn.tokens) >= budgets[row])
         keep = [j for j, d in enumerate(done) if not d]
         if not keep:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anchor_rl.rollout.sampling import StopSet, sample_next, uniforms
+from anchor_rl.rollout.sampling import EOS, StopSet, sample_next, uniforms
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
 
@@ -57,24 +57,69 @@ def test_same_seed_same_samples(seed, temperature, top_p):
     assert (a[1] <= 0).all()
 
 
-def test_stop_set_splits_single_token_and_text_stops(tokenizer):
+class _CountingDecoder:
+    """The tokenizer's ``decode``, counted."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids):
+        self.calls += 1
+        return self.tokenizer.decode(ids)
+
+
+def _chars(tokenizer, text):
+    """``text`` spelled one character a token (the built-in tokenizer has them all)."""
+    return [tokenizer.convert_tokens_to_ids(c) for c in text]
+
+
+def test_stop_set_decodes_only_after_tokens_that_can_complete_a_stop(tokenizer):
     stops = StopSet.build(tokenizer, ["</answer>", "\n\n", "</answer>"], [tokenizer.eos_token_id])
-    answer = tokenizer.convert_tokens_to_ids("</answer>")
-    assert stops.token_stops == {tokenizer.eos_token_id: "<eos>", answer: "</answer>"}
-    assert stops.string_stops == ("\n\n",)
+    assert stops.strings == ("</answer>", "\n\n") and stops.eos == {tokenizer.eos_token_id}
+    answer, digit = tokenizer.convert_tokens_to_ids(["</answer>", "7"])
+    assert answer not in stops.quiet and digit in stops.quiet
+    assert tokenizer.convert_tokens_to_ids("\n") not in stops.quiet
+    counting = _CountingDecoder(tokenizer)
+    assert stops.match(counting, [digit, digit]) is None and counting.calls == 0
+    assert stops.match(counting, [digit, answer]) == "</answer>" and counting.calls == 1
+    assert stops.match(counting, [digit, tokenizer.eos_token_id]) == EOS
+    assert StopSet.build(tokenizer, [], [tokenizer.eos_token_id]).match(counting, [answer]) is None
+
+
+def test_a_stop_matches_on_text_whatever_the_tokens(tokenizer):
+    """As an OpenAI-compatible server: a one-token stop spelled by several tokens stops,
+    and so does a stop inside a longer token's text."""
+    stops = StopSet.build(tokenizer, ["</answer>"], [tokenizer.eos_token_id])
+    spelled = _chars(tokenizer, "12</answer>")
+    assert len(spelled) == 11
+    assert [stops.match(tokenizer, spelled[:k]) for k in range(1, 12)] == [None] * 10 + [
+        "</answer>"
+    ]
+    tagged = tokenizer.encode("12</answer>", add_special_tokens=False)
+    assert len(tagged) == 3  # the tag is one token
+    assert stops.match(tokenizer, tagged) == "</answer>"
+    assert StopSet.build(tokenizer, [">"], []).match(tokenizer, tagged) == ">"
+
+
+def test_the_stop_that_starts_first_wins_whatever_their_order(tokenizer):
+    ids = tokenizer.encode("533=</answer>", add_special_tokens=False)
+    for order in (["wer>", "</ans"], ["</ans", "wer>"]):
+        assert StopSet.build(tokenizer, order, []).match(tokenizer, ids) == "</ans"
 
 
 def test_a_string_stop_of_many_bytes_is_found_when_its_tokens_are_bytes():
     """A byte-level tokenizer spends four tokens on a four-byte character: the tail the
-    check decodes must hold the stop's bytes, not only its characters."""
+    check decodes must hold the stop's bytes, not only its characters, and the tokens of an
+    unfinished character are not quiet. A one-token stop inside a merged token stops too
+    (``"\\n"`` inside ``"\\n\\n"``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     bpe.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    bpe.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+    bpe.train_from_iterator(["hello world\n\n"] * 10, trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=alphabet, special_tokens=["<eos>"]))  # fmt: skip
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
     stop = "\N{SLIGHTLY SMILING FACE}"
@@ -83,6 +128,13 @@ def test_a_string_stop_of_many_bytes_is_found_when_its_tokens_are_bytes():
     ids = tok.encode("hello " + stop, add_special_tokens=False)
     assert stops.string_stop(tok, ids) == stop
     assert stops.string_stop(tok, ids[:-1]) is None
+    assert [stops.match(tok, ids[:k]) for k in range(len(ids) - 3, len(ids) + 1)] == [None] * 3 + [
+        stop
+    ]
+    newline = tok.encode("\n", add_special_tokens=False)
+    merged = tok.encode("world\n\n", add_special_tokens=False)
+    assert len(newline) == 1 and newline[0] not in merged  # "\n\n" is one token of its own
+    assert StopSet.build(tok, ["\n"], []).match(tok, merged) == "\n"
 
 
 def test_uniforms_are_a_pure_function_of_seed_and_counter():
