@@ -199,7 +199,7 @@ class Client:
         if not self._closer.alive:
             raise RuntimeError(f"the client of {self.url} is closed (its engine's run ended)")
         target = self.url + path
-        failure = ""
+        failure, status = "", None  # the last attempt's: an HTTP status survives the retries
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), 10.0))
@@ -214,9 +214,11 @@ class Client:
                 ) from exc
             except httpx.TransportError as exc:  # connect and protocol errors, other timeouts
                 failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                status = None
                 continue
             if response.status_code in RETRY_STATUS:
                 failure = f"HTTP {response.status_code}: {_message(response)}"
+                status = response.status_code
                 continue
             if response.status_code >= 400:
                 raise ServerError(
@@ -231,8 +233,8 @@ class Client:
                     response.status_code,
                 ) from exc
         tries = f"{self.retries + 1} attempt{'s' * bool(self.retries)} ({self.retries} retries with back-off)"
-        if failure.startswith("HTTP"):
-            raise ServerError(f"{method} {target} failed after {tries}: {failure}")
+        if status is not None:
+            raise ServerError(f"{method} {target} failed after {tries}: {failure}", status)
         raise ServerUnreachableError(
             f"cannot reach {target}: {failure}; gave up after {tries}, timeout {self.timeout:g} s "
             "per request. Is the server running there (e.g. `anchor-rl serve`)?"

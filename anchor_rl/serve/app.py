@@ -18,6 +18,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import math
@@ -87,9 +88,26 @@ UNSUPPORTED = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "structured_outputs": (None,),
+    "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "documents": (None, []),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
 }
-"""Request fields the sampler cannot honour, with the values that mean "off" (anything else
-is refused: silently ignoring them would sample another distribution than asked)."""
+"""Request fields (OpenAI's and vLLM's) the sampler cannot honour, with the values that mean
+"off" (anything else is refused: silently ignoring them would sample another distribution,
+from another prompt, or report other than asked)."""
 
 
 class BadRequest(Exception):
@@ -181,7 +199,7 @@ class ModelServer:
         self.weights_path: str | None = None
         self.created = int(time.time())
         self.tokenizer_fingerprint = fingerprint_tokenizer(tokenizer)
-        self._fingerprint: str | None = None
+        self._fingerprint: tuple[str, str] | None = None  # (revision, fingerprint_model)
         self.batches = self.rows = 0
         with tempfile.TemporaryDirectory(prefix="anchor-rl-serve-") as folder:
             tokenizer.save_pretrained(folder)
@@ -193,9 +211,23 @@ class ModelServer:
 
     def fingerprint(self) -> str:
         """``fingerprint_model`` of the current weights (computed once per revision)."""
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint_model(self.model)
-        return self._fingerprint
+        return self.revision_fingerprint()[1]
+
+    def revision_fingerprint(self) -> tuple[str, str]:
+        """``(revision, fingerprint_model)`` of the current weights, computed once per revision
+        (it reads every weight: call it on the model thread, between batches and reloads)."""
+        known = self.known_fingerprint()
+        if known is None:
+            known = self._fingerprint = (self.revision, fingerprint_model(self.model))
+        return known
+
+    def known_fingerprint(self) -> tuple[str, str] | None:
+        """``(revision, fingerprint)`` of the current weights if :meth:`revision_fingerprint`
+        computed it already, else None. Safe on the event loop while the model thread
+        samples (``GET /v1/models`` need not wait for a batch): it reads one tuple, replaced
+        whole, so the pair always names the same weights."""
+        known = self._fingerprint
+        return known if known is not None and known[0] == self.revision else None
 
     def generate(self, jobs: Sequence[Job]) -> list[list[Turn]]:
         """One ``generate_turn`` over the rows of ``jobs`` (equal keys), in chunks of
@@ -252,9 +284,16 @@ class ModelServer:
         ]
         if shapes:
             raise BadRequest(f"{path} has tensors of other shapes: {shapes[:3]}", "path")
+        for k, v in state.items():  # NaN weights sample noise, with log-probs JSON cannot hold
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise BadRequest(
+                    f"{path} has NaN or infinite values in tensor {k!r}; the served weights stay",
+                    "path",
+                )
         with torch.no_grad():
             self.model.load_state_dict(state, strict=False)
-        self.revision, self.weights_path, self._fingerprint = uuid.uuid4().hex, str(path), None
+        self._fingerprint = None
+        self.revision, self.weights_path = uuid.uuid4().hex, str(path)
         return {"revision": self.revision, "tensors": len(state), "path": str(path)}
 
 
@@ -536,8 +575,10 @@ def _common(
     server: ModelServer,
     prompts: list[list[int]],
     max_tokens: int | list[int] | None,
+    field: str = "prompt",
 ) -> Parsed:
-    """The sampling fields shared by both endpoints; ``max_tokens`` None: up to the context limit."""
+    """The sampling fields shared by both endpoints; ``max_tokens`` None: up to the context
+    limit; ``field``: the request field the prompts came from (named by a refusal)."""
     model = body.get("model")
     if model is not None and model != server.name:
         raise BadRequest(
@@ -567,6 +608,13 @@ def _common(
     if not 0 < top_p <= 1:
         raise BadRequest(f"`top_p` must be in (0, 1], got {top_p}", "top_p")
     limit = server.limit
+    for p in prompts:  # before the budgets: with no max_tokens, theirs would be <= 0
+        if limit is not None and len(p) >= limit:
+            raise BadRequest(
+                f"the prompt's {len(p)} tokens leave no room in the model's {limit} positions: "
+                f"shorten `{field}`",
+                field,
+            )
     if max_tokens is None:
         budgets = [(limit - len(p)) if limit else 16 for p in prompts]
     elif isinstance(max_tokens, list):
@@ -639,8 +687,12 @@ def parse_completion(body: Any, server: ModelServer) -> Parsed:
 
 
 def parse_chat(body: Any, server: ModelServer) -> Parsed:
-    """Validate a ``POST /v1/chat/completions`` body (the served tokenizer's chat template
-    renders the messages, with the generation prompt)."""
+    """Validate a ``POST /v1/chat/completions`` body. The served tokenizer's chat template
+    renders the messages, as vLLM does: with the generation prompt unless
+    ``add_generation_prompt`` is false, the last message left open with
+    ``continue_final_message``, ``chat_template_kwargs`` as template variables, and no
+    special tokens added unless ``add_special_tokens``. A template that refuses the messages
+    (``raise_exception``, or transformers' ValueError) is a BadRequest naming ``messages``."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     messages = body.get("messages")
@@ -661,15 +713,58 @@ def parse_chat(body: Any, server: ModelServer) -> Parsed:
             raise BadRequest(f"message content must be a string, got {content!r}", "messages")
         rendered.append({"role": m["role"], "content": content})
     tok = server.tokenizer
+    if body.get("chat_template") is not None:
+        raise BadRequest(
+            "`chat_template` is not supported: the served tokenizer's template renders the "
+            "messages; leave the field out",
+            "chat_template",
+        )
     if not tok.chat_template:
         raise BadRequest(
             "the served tokenizer has no chat template: use /v1/completions", "messages"
         )
-    text = tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-    prompt = tok.encode(text, add_special_tokens=False)
+    cont = _bool(body, "continue_final_message", False)
+    if cont and body.get("add_generation_prompt") is True:
+        raise BadRequest(
+            "`continue_final_message` and `add_generation_prompt` cannot both be true: set "
+            "add_generation_prompt to false to continue the last message",
+            "continue_final_message",
+        )
+    generation_prompt = _bool(body, "add_generation_prompt", not cont)
+    variables = body.get("chat_template_kwargs")
+    if variables is None:
+        variables = {}
+    if not isinstance(variables, dict):
+        raise BadRequest(
+            f"`chat_template_kwargs` must be an object of template variables, got {variables!r}",
+            "chat_template_kwargs",
+        )
+    reserved = sorted(set(variables) & set(inspect.signature(tok.apply_chat_template).parameters))
+    if reserved:
+        raise BadRequest(
+            f"`chat_template_kwargs` may not set {reserved}: they are arguments of "
+            "apply_chat_template, not template variables (add_generation_prompt and "
+            "continue_final_message are request fields)",
+            "chat_template_kwargs",
+        )
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    try:
+        text = tok.apply_chat_template(
+            rendered,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=cont,
+            **variables,
+        )
+    except (TemplateError, ValueError, TypeError) as exc:  # raise_exception(...) and kin
+        raise BadRequest(f"the chat template cannot render `messages`: {exc}", "messages") from exc
+    prompt = tok.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
+    if not prompt:
+        raise BadRequest("the chat template rendered `messages` as an empty prompt", "messages")
     max_tokens = _int(body, "max_completion_tokens", None, low=1)
     max_tokens = _int(body, "max_tokens", max_tokens, low=1)
-    parsed = _common(body, server, [prompt], max_tokens)
+    parsed = _common(body, server, [prompt], max_tokens, "messages")
     parsed.logprobs = _bool(body, "logprobs", False)
     return parsed
 
@@ -722,6 +817,12 @@ def _choice_common(turn: Turn, seed: int) -> dict[str, Any]:
     }
 
 
+def _finite(value: float) -> float | None:
+    """A log-prob as JSON has it: NaN and infinities (weights gone bad) become null, since
+    JSON has no such numbers and the encoder would fail the whole answer with a 500."""
+    return value if math.isfinite(value) else None
+
+
 def _usage(parsed: Parsed, turns: list[Turn]) -> dict[str, int]:
     prompt = sum(len(p) for p in parsed.prompts)
     completion = sum(len(t.tokens) for t in turns)
@@ -745,7 +846,7 @@ def completion_body(
         if parsed.logprobs:
             logprobs = {
                 "tokens": _tokens(tok, turn.tokens, parsed),
-                "token_logprobs": list(turn.logprobs),
+                "token_logprobs": [_finite(lp) for lp in turn.logprobs],
                 "top_logprobs": None,
                 "text_offset": text_offsets(tok, turn.tokens, parsed.skip_special, len(text)),
             }
@@ -793,7 +894,12 @@ def chat_body(
         if parsed.logprobs:
             logprobs = {
                 "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    {
+                        "token": t,
+                        "logprob": _finite(lp),
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [],
+                    }
                     for t, lp in zip(_tokens(tok, turn.tokens, parsed), turn.logprobs, strict=True)
                 ]
             }
@@ -898,7 +1004,10 @@ def build_app(
 
     @_endpoint
     async def models(request: Request) -> Response:
-        fingerprint = await batcher.call(server.fingerprint)
+        known = server.known_fingerprint()
+        if known is None:  # new weights: hash them on the model thread, between batches
+            known = await batcher.call(server.revision_fingerprint)
+        revision, fingerprint = known
         card = {
             "id": server.name,
             "object": "model",
@@ -908,7 +1017,7 @@ def build_app(
             "anchor_rl": {
                 "fingerprint": fingerprint,
                 "tokenizer_fingerprint": server.tokenizer_fingerprint,
-                "revision": server.revision,
+                "revision": revision,
                 "max_batch": batcher.max_batch,
                 "vocab_size": server.vocab,
                 "batches": server.batches,

@@ -5,6 +5,8 @@ torch, transformers and uvicorn are imported inside the command so ``anchor-rl -
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from typing import Annotated
 
 import typer
@@ -59,5 +61,18 @@ def serve_command(
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
     server = ModelServer(policy, tokenizer, name or model, max_batch=max_batch)
     app = build_app(server, max_batch, batch_wait_ms)
-    typer.echo(f"serving {server.name!r} on http://{host}:{port}/v1 (health: /health)")
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+    class Announced(uvicorn.Server):
+        """Prints the URL once the socket listens, with the port it got (``--port 0``)."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                typer.echo(f"serving {server.name!r} on http://{host}:{bound}/v1 (health: /health)")
+
+    announced = Announced(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a clean stop
+        announced.run()
+    if not announced.started:
+        raise typer.Exit(1)

@@ -142,10 +142,11 @@ def test_5xx_answers_are_retried_with_back_off(tokenizer) -> None:
         assert stub.calls == 3 and batch.response_ids.tolist() == [[A]] and batch.truncated.all()
         assert batch.logprobs.tolist() == [[-0.5]]
         stub.calls, stub.fail = 0, 10
-        with pytest.raises(ServerError, match="after 2 attempts.*HTTP 503: warming up"):
+        with pytest.raises(ServerError, match="after 2 attempts.*HTTP 503: warming up") as failed:
             HTTPEngine(tokenizer, thread.url, "m", batched=False, retries=1, backoff=0.01).rollout(
                 requests, params
             )
+        assert failed.value.status == 503  # kept once the retries ran out
 
 
 def test_a_request_slower_than_the_timeout_fails_at_once_naming_it(tokenizer) -> None:

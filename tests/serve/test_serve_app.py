@@ -21,6 +21,9 @@ from anchor_rl.rollout.engine import Request, make_engine, request_seed
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.serve.app import ModelServer, ServerThread, build_app
 
+HI = [{"role": "user", "content": "hi"}]
+"""A one-message chat."""
+
 
 def post(url: str, path: str, body, timeout: float = 30.0) -> httpx.Response:
     if isinstance(body, bytes):
@@ -43,6 +46,21 @@ def test_health_models_and_tokenizer_describe_the_served_model(served, tiny_dir)
     assert ext["max_batch"] == 256
     files = httpx.get(thread.url + "/v1/tokenizer").json()["files"]
     assert "tokenizer.json" in files
+
+
+def test_models_answers_from_the_known_fingerprint_without_queueing(served, monkeypatch) -> None:
+    """Once the weights are hashed, ``GET /v1/models`` does not wait for the model thread
+    (which may be busy with a long batch)."""
+    thread, server = served
+    first = httpx.get(thread.url + "/v1/models").json()["data"][0]["anchor_rl"]
+    assert server.known_fingerprint() == (first["revision"], first["fingerprint"])
+
+    async def queued(*args):
+        raise AssertionError("GET /v1/models queued work on the model thread")
+
+    monkeypatch.setattr(thread.server.config.app.state.batcher, "call", queued)
+    answer = httpx.get(thread.url + "/v1/models")
+    assert answer.status_code == 200 and answer.json()["data"][0]["anchor_rl"] == first
 
 
 def test_completions_follow_the_openai_shape_and_seed_each_choice(served) -> None:
@@ -183,6 +201,55 @@ def test_chat_completions_render_the_chat_template(served, tiny_dir) -> None:
     ]
 
 
+def test_chat_fields_render_the_prompt_as_vllm_does(served, monkeypatch) -> None:
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
+    reach the template (ignoring them would sample from another prompt)."""
+    from anchor_rl.serve.app import parse_chat
+
+    server = served[1]
+    tok = server.tokenizer
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+
+    def prompt(**fields) -> str:
+        return tok.decode(parse_chat({"messages": talk, **fields}, server).prompts[0])
+
+    assert prompt() == "<|user|>hi<|end|><|assistant|>ok<|end|><|assistant|>"
+    assert prompt(add_generation_prompt=False) == "<|user|>hi<|end|><|assistant|>ok<|end|>"
+    assert prompt(continue_final_message=True) == "<|user|>hi<|end|><|assistant|>ok"
+    monkeypatch.setattr(tok, "chat_template", "{{ greeting }}" + tok.chat_template)
+    assert prompt(chat_template_kwargs={"greeting": "12"}).startswith("12<|user|>hi")
+
+
+@pytest.mark.parametrize(
+    ("template", "messages", "fields", "message"),
+    [
+        (
+            "{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+            HI,
+            {},
+            "Conversation roles must alternate user/assistant",
+        ),
+        (  # transformers' ValueError: the template drops the system message it should continue
+            None,
+            [*HI, {"role": "system", "content": "zz"}],
+            {"continue_final_message": True},
+            "final message does not appear",
+        ),
+    ],
+)
+def test_a_chat_template_refusal_is_a_400_naming_messages(
+    served, monkeypatch, template, messages, fields, message
+) -> None:
+    """A 400, not a 500 that HTTP clients retry: the same messages fail the same way again."""
+    if template is not None:
+        monkeypatch.setattr(served[1].tokenizer, "chat_template", template)
+    body = {"messages": messages, "max_tokens": 2, **fields}
+    answer = post(served[0].url, "/v1/chat/completions", body)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "messages" and message in error["message"]
+
+
 def test_a_hundred_concurrent_requests_complete_in_shared_batches(served) -> None:
     thread, server = served
     batches, rows = server.batches, server.rows
@@ -243,8 +310,35 @@ MALFORMED = [
         400,
         "top_logprobs",
     ),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "a", "bad_words": ["b"]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 1}, 400, "truncate_prompt"),
+    ("/v1/completions", {"prompt": "a", "logits_processors": ["x"]}, 400, "logits_processors"),
     ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "serves 'tiny'"),
     ("/v1/chat/completions", {"max_tokens": 3}, 400, "`messages`"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ 1 }}"}, 400, "`chat_template`"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": "x"}, 400, "an object"),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "chat_template_kwargs": {"tokenize": True}},
+        400,
+        "may not set ['tokenize']",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+        400,
+        "cannot both be true",
+    ),
+    ("/v1/chat/completions", {"messages": HI, "add_special_tokens": "no"}, 400, "true or false"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a" * 1100}]},  # no max_tokens: the rest
+        400,
+        "the prompt's 1103 tokens leave no room in the model's 1024 positions",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "content"),
     ("/v1/weights", {}, 400, "path"),
     ("/v1/weights", {"path": "/nonexistent/weights.safetensors"}, 400, "no such file"),
@@ -359,6 +453,37 @@ def test_an_answer_names_the_weights_that_sampled_it_even_after_a_reload(
     server.reload(str(path))  # what a POST /v1/weights between the batch and the answer does
     assert server.revision != sampled_by
     assert completion_body(server, parsed, turns, job.revision)["system_fingerprint"] == sampled_by
+
+
+def test_weights_with_nan_are_refused_naming_the_tensor(served, tmp_path) -> None:
+    thread, server = served
+    state = {k: v.clone().contiguous() for k, v in server.model.state_dict().items()}
+    name = next(k for k in state if k.endswith("weight") and state[k].dim() == 2)
+    state[name][0, 0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file(state, str(path))
+    revision = server.revision
+    refused = post(thread.url, "/v1/weights", {"path": str(path)})
+    assert (
+        refused.status_code == 400
+        and f"NaN or infinite values in tensor {name!r}" in (refused.json()["error"]["message"])
+    )
+    assert server.revision == revision
+
+
+def test_non_finite_logprobs_are_null_in_the_json_answer(served) -> None:
+    """Not a 500 from the JSON encoder (which HTTP clients would retry)."""
+    from anchor_rl.rollout.sampling import Turn
+    from anchor_rl.serve.app import chat_body, completion_body, parse_chat, parse_completion
+
+    server = served[1]
+    turn = Turn(tokens=[88, 89], logprobs=[float("nan"), float("-inf")], stop=None)
+    plain = parse_completion({"prompt": "ab", "max_tokens": 2, "logprobs": 1, "seed": 1}, server)
+    chat = parse_chat({"messages": HI, "max_tokens": 2, "logprobs": True, "seed": 1}, server)
+    text = json.dumps(completion_body(server, plain, [turn]), allow_nan=False)
+    assert json.loads(text)["choices"][0]["logprobs"]["token_logprobs"] == [None, None]
+    content = json.loads(json.dumps(chat_body(server, chat, [turn]), allow_nan=False))
+    assert [e["logprob"] for e in content["choices"][0]["logprobs"]["content"]] == [None, None]
 
 
 def byte_level_tokenizer():

@@ -112,6 +112,25 @@ def test_the_commands_refuse_what_they_cannot_load(args, message) -> None:
     assert result.exit_code == 2 and message in " ".join(result.output.split())
 
 
+def test_serve_prints_the_port_it_bound(monkeypatch) -> None:
+    """``--port 0`` announces the free port it got, once the socket listens (the server
+    stops at once here: its main loop is a no-op)."""
+    import re
+
+    import uvicorn
+
+    async def no_loop(self) -> None:
+        return None
+
+    monkeypatch.setattr(uvicorn.Server, "main_loop", no_loop)
+    monkeypatch.setattr(
+        "anchor_rl.models.commands.default_threads", lambda: torch.get_num_threads()
+    )
+    output = invoke("serve", "--model", "random:tiny", "--port", "0", "--log-level", "warning")
+    port = re.search(r"serving 'random:tiny' on http://127\.0\.0\.1:(\d+)/v1", output)
+    assert port is not None and int(port.group(1)) > 0, output
+
+
 # -- training through the server ----------------------------------------------------------
 
 _TINY = [*TINY, "steps=3", "optim.lr=1e-3"]
