@@ -28,8 +28,28 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.table import Column
 
+from anchor_rl.errors import ConfigError
+
 EVERY_ENV = "ANCHOR_RL_PROGRESS_EVERY"
 DEFAULT_EVERY = 30.0
+
+
+def every_from_env() -> float:
+    """Seconds between plain lines: ``$ANCHOR_RL_PROGRESS_EVERY`` (a number >= 0), or 30;
+    ConfigError naming the variable when it holds anything else (``5s``)."""
+    raw = os.environ.get(EVERY_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_EVERY
+    try:
+        every = float(raw)
+    except ValueError:
+        every = math.nan
+    if not every >= 0:  # nan and negative numbers too
+        raise ConfigError(
+            f"{EVERY_ENV}={raw!r} is not a number of seconds >= 0 (e.g. {EVERY_ENV}=5); "
+            "set it to one, or unset it for 30"
+        )
+    return every
 
 
 def _clock(seconds: float) -> str:
@@ -69,7 +89,7 @@ class Progress:
     ) -> None:
         self.label, self.total, self.done, self.enabled = label, max(total, 0), done, enabled
         self.stream = stream or sys.stdout
-        self.every = float(os.environ.get(EVERY_ENV, DEFAULT_EVERY)) if every is None else every
+        self.every = every_from_env() if every is None else every
         self.info = ""
         self._started = self._printed = 0.0
         self._start_done, self._printed_done = done, -1

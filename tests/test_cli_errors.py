@@ -76,6 +76,8 @@ def _write_files(root: Path) -> None:
     (root / "estimator_fails.py").write_text(PLUGIN_ESTIMATOR_FAILS)
     (root / "empty").mkdir()
     (root / "not_a_store.db").write_text("these are notes, not an SQLite database\n" * 20)
+    (root / "torn_run").mkdir()
+    (root / "torn_run" / "config.json").write_text('{"task": "arith')
 
 
 def _file_task(path: str) -> str:
@@ -127,6 +129,23 @@ CASES = {
     ),
     "report of a directory with no results": Case(("report", "empty"), 2, "no results under empty"),
     "unknown bench suite": Case(("bench", "baslines"), 2, "unknown suite 'baslines'"),
+    "unknown bench suite, the function suites listed": Case(
+        ("bench", "nope"), 2, "throughput, trl, trl-pvpo"
+    ),
+    "a preset file that does not exist": Case(
+        ("train", "-p", "missing.toml"), 2, "preset file missing.toml does not exist"
+    ),
+    "a device torch does not know": Case(
+        ("eval", "--model", "random:tiny", "--task", "arithmetic", "--device", "banana"),
+        2, "device='banana' is not a torch device",
+    ),
+    "an sft: reference on a task with too few training records": Case(
+        ("train", "task_args.n_train=5", "steps=1"),
+        2, "model=sft:tiny: the SFT of task 'arithmetic' stops by its accuracy classes",
+    ),
+    "resume a run whose config.json is torn": Case(
+        ("train", "--resume", "torn_run"), 2, "config.json is not a run's config"
+    ),
     "resume a directory that holds no run": Case(
         ("train", "--resume", "empty"), 2, "holds no run"
     ),
@@ -198,6 +217,46 @@ def test_bad_eval_options_are_usage_errors(tmp_path, name) -> None:
     done = _run_here(args, tmp_path, {"COLUMNS": "300"})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert message in done.stderr, done.stderr
+
+
+OUTPUT_USAGE_ERRORS = {
+    "eval --out an existing directory": (
+        ("eval", "--model", "random:tiny", "--task", "arithmetic", "--out", "."),
+        "Invalid value for --out: . is a directory"),
+    "presample --export of a format it cannot write": (
+        ("presample", "--model", "random:tiny", "--task", "arithmetic", "--export", "a.csv"),
+        "a.csv must end in .jsonl or .parquet"),
+    "presample --db a directory": (
+        ("presample", "--model", "random:tiny", "--task", "arithmetic", "--db", "."),
+        "Invalid value for --db: . is a directory"),
+    "eval --model a bare URL": (
+        ("eval", "--model", "http://127.0.0.1:1/v1", "--task", "arithmetic"),
+        "write http:http://127.0.0.1:1/v1"),
+    "presample --model a bare URL": (
+        ("presample", "--model", "http://127.0.0.1:1/v1", "--task", "arithmetic"),
+        "write http:http://127.0.0.1:1/v1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_USAGE_ERRORS))
+def test_bad_paths_and_urls_are_usage_errors_before_any_work(tmp_path, name) -> None:
+    """Found before the model is loaded or anything sampled, not after the work."""
+    args, message = OUTPUT_USAGE_ERRORS[name]
+    done = _run_here(args, tmp_path, {"COLUMNS": "300"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert message in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_anchor_store_that_cannot_be_opened_names_the_path(tmp_path) -> None:
+    from anchor_rl.anchors.store import AnchorStore
+    from anchor_rl.errors import AnchorRLError
+
+    with pytest.raises(AnchorRLError, match=f"{tmp_path} is a directory, not an anchor store"):
+        AnchorStore(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(AnchorRLError, match="cannot open the anchor store .*file/anchors.db"):
+        AnchorStore(tmp_path / "file" / "anchors.db")
 
 
 def test_debug_shows_the_traceback(tmp_path) -> None:

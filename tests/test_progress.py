@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
-from anchor_rl.progress import Progress
+from anchor_rl.errors import ConfigError
+from anchor_rl.progress import EVERY_ENV, Progress
 
 
 def test_a_log_file_gets_a_line_at_the_start_every_interval_and_at_the_end() -> None:
@@ -75,3 +77,14 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "ANCHOR_RL_PROGRESS_EVERY"}
+
+
+@pytest.mark.parametrize("value", ["5s", "-1", "nan"])
+def test_a_progress_interval_that_is_no_number_of_seconds_names_the_variable(
+    monkeypatch, value
+) -> None:
+    monkeypatch.setenv(EVERY_ENV, value)
+    with pytest.raises(ConfigError, match=rf"{EVERY_ENV}='{value}' is not a number of seconds"):
+        Progress("eval", 3, stream=io.StringIO())
+    monkeypatch.setenv(EVERY_ENV, "2.5")
+    assert Progress("eval", 3, stream=io.StringIO()).every == 2.5

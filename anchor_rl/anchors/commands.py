@@ -134,6 +134,11 @@ def _setup(
     from anchor_rl.tasks import get_task
     from anchor_rl.trainer.config import load_config
 
+    if db is not None and db.is_dir():  # found now, not after loading the model
+        raise typer.BadParameter(
+            f"{db} is a directory; give the anchor store's file, e.g. {db / 'anchors.db'}",
+            param_hint="--db",
+        )
     cfg = load_config(preset, [])
     if task is None:
         task = cfg.task
@@ -196,7 +201,10 @@ def _served(model: str, tokenizer_dir: Path | None) -> Any:
     """The ``http`` engine of an ``http:URL[#MODEL]`` spec (the tokenizer from ``tokenizer_dir``,
     else the one the server serves)."""
     from anchor_rl.rollout.http import connect, load_tokenizer
+    from anchor_rl.rollout.spec import bare_url
 
+    if why := bare_url(model):  # http://... starts with "http:" too
+        raise typer.BadParameter(why, param_hint="--model")
     try:
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         return connect(model, tokenizer)
@@ -321,6 +329,8 @@ def presample_command(
     from anchor_rl.anchors.presample import RolloutSampler, presample
     from anchor_rl.anchors.store import AnchorStore
 
+    if export is not None:  # found now, not after the sampling
+        _check_export_path(export)
     s = _setup(
         preset, model, task, task_kwargs, split, limit, temperature, top_p, max_new_tokens,
         max_turns, seed, device, db, tokenizer,
@@ -353,6 +363,15 @@ def presample_command(
     )
 
 
+def _check_export_path(out: Path, option: str = "--export") -> None:
+    """A usage error naming ``out`` unless anchors can be exported there: a ``.jsonl`` or
+    ``.parquet`` file name, not a directory's."""
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise typer.BadParameter(f"{out} must end in .jsonl or .parquet", param_hint=option)
+    if out.is_dir():
+        raise typer.BadParameter(f"{out} is a directory; give a file to write", param_hint=option)
+
+
 @anchors_app.command("export")
 def export_command(
     db: Annotated[Path, typer.Argument(help="Anchor store file.", exists=True, dir_okay=False)],
@@ -369,8 +388,7 @@ def export_command(
         raise typer.BadParameter(
             f"unknown table {table!r}; choose stats or trajectories", param_hint="--table"
         )
-    if out.suffix not in (".jsonl", ".parquet"):
-        raise typer.BadParameter(f"{out} must end in .jsonl or .parquet", param_hint="--out")
+    _check_export_path(out, "--out")
     with AnchorStore(db) as store:
         rows = store.export(out, table=table, key=key)  # type: ignore[arg-type]
     typer.echo(f"{rows} rows -> {out}")

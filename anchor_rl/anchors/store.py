@@ -204,11 +204,22 @@ class AnchorStore:
 
     def __init__(self, path: str | Path, timeout: float = 60.0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        if self.path.is_dir():
+            raise AnchorRLError(
+                f"{self.path} is a directory, not an anchor store; give a file such as "
+                f"{self.path / 'anchors.db'}"
+            )
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:  # an unwritable place, a file as a folder...
+            raise AnchorRLError(f"cannot open the anchor store {self.path}: {exc}") from None
         self._depth = 0
         try:
             mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:  # cannot create or read the file there
+            self._conn.close()
+            raise AnchorRLError(f"cannot open the anchor store {self.path}: {exc}") from None
         except sqlite3.DatabaseError as exc:  # another kind of file: not ours to touch
             self._conn.close()
             raise AnchorRLError(f"{self.path} is not an anchor store ({exc})") from None

@@ -80,7 +80,7 @@ def bench(
         module, _, name = FUNCTION_SUITES[suite].partition(":")
         run, target = getattr(importlib.import_module(module), name), suite
     else:
-        loaded = load_suite(suite)
+        loaded = load_suite(suite, others=list(FUNCTION_SUITES))
         if runs is not None:  # plan() rejects a label the suite does not have
             labels = [r.strip() for r in runs.split(",") if r.strip()]
             if not labels:

@@ -137,9 +137,10 @@ def suite_names() -> list[str]:
     return builtin_names("anchor_rl.bench", "suites")
 
 
-def load_suite(name_or_path: str) -> Suite:
-    """A built-in suite by name or a suite TOML file by path."""
-    table, name = read_builtin_toml("suite", "anchor_rl.bench", "suites", name_or_path)
+def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
+    """A built-in suite by name or a suite TOML file by path; an unknown name's error lists
+    the built-in suites and ``others`` (the function suites ``anchor-rl bench`` runs)."""
+    table, name = read_builtin_toml("suite", "anchor_rl.bench", "suites", name_or_path, others)
     unknown = set(table) - SUITE_KEYS
     if unknown:
         raise ConfigError(

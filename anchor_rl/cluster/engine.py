@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from pydantic import PositiveInt
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
@@ -100,12 +101,12 @@ class RayEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        workers: int = 2,
+        workers: PositiveInt = 2,
         address: str = "local",
         num_cpus_per_worker: float = 1.0,
-        threads_per_worker: int | None = None,
+        threads_per_worker: PositiveInt | None = None,
         num_gpus_per_worker: float = 0.0,
-        max_batch: int = 256,
+        max_batch: PositiveInt = 256,
         decode: DecodeMode = "auto",
         precision: Precision = "model",
         startup_timeout: float = 300.0,

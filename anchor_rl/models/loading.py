@@ -19,7 +19,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from anchor_rl.errors import AnchorRLError
+from anchor_rl.errors import AnchorRLError, ConfigError
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
@@ -45,6 +45,8 @@ def load_policy(
     path = Path(path)
     if not path.is_dir():
         raise AnchorRLError(f"model directory {path} does not exist")
+    if why := _run_directory(path):
+        raise AnchorRLError(why)
     if not (path / "config.json").is_file():
         raise AnchorRLError(f"{path} is not a model directory (no config.json)")
     try:
@@ -73,6 +75,30 @@ def load_policy(
     return model, tokenizer
 
 
+RUN_CONFIG_KEYS = frozenset({"task", "model", "rollout", "advantage", "steps"})
+"""Keys of a training run's config.json (anchor_rl.trainer.config.TrainConfig) that a
+Hugging Face model's config.json does not have together."""
+
+
+def _run_directory(path: Path) -> str | None:
+    """When ``path`` is an anchor-rl run directory (a config.json that is a run's config, not
+    a model's, or checkpoints/step_* beside no model config): where its models are, naming
+    the newest checkpoint's policy; None for any other directory."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    keys = set(config) if isinstance(config, dict) else set()
+    saved = sorted(path.glob("checkpoints/step_*/policy"))
+    if not keys >= RUN_CONFIG_KEYS and not (saved and "model_type" not in keys):
+        return None
+    where = f"the newest is {saved[-1]}" if saved else "it has no checkpoint yet"
+    return (
+        f"{path} is an anchor-rl run directory, not a model: give a checkpoint's policy, "
+        f"{path / 'checkpoints' / 'step_NNNNNN' / 'policy'}; {where}"
+    )
+
+
 def _model_type(path: Path) -> str:
     try:
         return str(json.loads((path / "config.json").read_text()).get("model_type", "unknown"))
@@ -81,8 +107,14 @@ def _model_type(path: Path) -> str:
 
 
 def check_device(device: str) -> None:
-    """AnchorRLError when ``device`` names an accelerator this machine does not have."""
-    kind = torch.device(device).type
+    """ConfigError when ``device`` is no torch device; AnchorRLError when it names an
+    accelerator this machine does not have."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"device={device!r} is not a torch device; use cpu, cuda, cuda:N or mps"
+        ) from None
     if kind == "cuda" and not torch.cuda.is_available():
         built = "with" if torch.version.cuda else "without"
         raise AnchorRLError(

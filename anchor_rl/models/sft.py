@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl.errors import ConfigError
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer, encode_completion, encode_prompt
@@ -356,6 +357,11 @@ def run_sft(
     stop = cfg.class_stop
     validation: list[Record] = []
     if stop is not None:
+        if why := class_stop_shortfall(cfg, len(records)):
+            raise ConfigError(
+                f"{why}: give the task more training records, or a smaller val_prompts "
+                f"(--class-stop '{{\"val_prompts\": N}}'), or --class-stop off"
+            )
         records, validation = validation_slice(records, task.records("test"), stop.val_prompts)
     if not records:
         raise ValueError(f"task {cfg.task!r} has no train records")
@@ -411,6 +417,22 @@ def run_sft(
         json.dumps({"key": cfg.key(), "version": SFT_VERSION, **asdict(cfg)}, indent=2)
     )
     return losses
+
+
+def class_stop_shortfall(cfg: SFTConfig, train_records: int) -> str | None:
+    """Why ``cfg``'s class stop cannot hold out its validation slice from a task of
+    ``train_records`` training records (it needs more than ``val_prompts``); None when it can
+    or there is no class stop."""
+    stop = cfg.class_stop
+    if stop is None or train_records > stop.val_prompts:
+        return None
+    data = {**cfg.task_kwargs, **cfg.data_kwargs}
+    args = f" with {json.dumps(data, sort_keys=True)}" if data else ""
+    return (
+        f"the SFT of task {cfg.task!r} stops by its accuracy classes on a validation slice of "
+        f"class_stop.val_prompts={stop.val_prompts} training records, and the task{args} has "
+        f"only {train_records}"
+    )
 
 
 def validation_slice(

@@ -74,10 +74,17 @@ def eval_command(
     from rich.table import Table
 
     from anchor_rl.errors import AnchorRLError
+    from anchor_rl.models.loading import check_device
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
 
+    if out is not None and out.is_dir():  # found now, not after the evaluation
+        example = out / f"eval-{task}-{split}-k{k}.json"
+        raise typer.BadParameter(
+            f"{out} is a directory; give a file to write, e.g. {example}", param_hint="--out"
+        )
+    check_device(device)
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(default_threads())
     kwargs = parse_task_kwargs(task_kwargs)
@@ -141,8 +148,10 @@ def _engine(
     with ``load_spec`` and samples in this process."""
     from anchor_rl.errors import AnchorRLError
     from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import load_spec
+    from anchor_rl.rollout.spec import bare_url, load_spec
 
+    if why := bare_url(model):  # http://... starts with "http:" too
+        raise typer.BadParameter(why, param_hint="--model")
     if model.startswith("http:"):
         from anchor_rl.rollout.http import connect, load_tokenizer
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+from pydantic import PositiveInt
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
@@ -166,6 +167,9 @@ def pack(
 
 Precision = Literal["model", "bf16"]
 PRECISIONS: tuple[str, ...] = ("model", "bf16")
+"""An engine's ``precision`` option. Engine factories annotate their options with the values
+they take (``Precision``, ``DecodeMode``, ``PositiveInt``): the config checks
+``rollout.engine_args`` against these annotations before anything is loaded."""
 
 
 def cast_parameters(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -226,7 +230,7 @@ class HFEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        max_batch: int = 256,
+        max_batch: PositiveInt = 256,
         decode: DecodeMode = "auto",
         precision: Precision = "model",
     ):
@@ -290,7 +294,7 @@ class HFEngine:
 def _hf_engine(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    max_batch: int = 256,
+    max_batch: PositiveInt = 256,
     decode: DecodeMode = "auto",
     precision: Precision = "model",
 ) -> Engine:

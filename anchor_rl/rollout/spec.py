@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from anchor_rl.errors import AnchorRLError
+from anchor_rl.errors import AnchorRLError, ConfigError
 from anchor_rl.models.factory import SIZES, build_model
 from anchor_rl.models.loading import load_policy, quiet_transformers
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -39,6 +39,18 @@ def load_spec(
     """Load the model a spec names; AnchorRLError naming the spec if it is not one."""
     with quiet_transformers():
         return _load(spec, task, task_args, seed, device, progress)
+
+
+def bare_url(spec: str) -> str | None:
+    """What to write instead when a command that samples from served models (``eval``,
+    ``presample``) is given a bare URL (``http://host:8000/v1``): a served model's spec is
+    ``http:URL``, so ``http:http://host:8000/v1``. None for any other spec."""
+    if not spec.startswith(("http://", "https://")):
+        return None
+    return (
+        f"model {spec!r} is a bare URL; a served model's spec is http:URL[#MODEL]: "
+        f"write http:{spec}"
+    )
 
 
 def _load(
@@ -75,9 +87,33 @@ def sft_model_dir(spec: str, task: str, task_args: dict[str, Any], progress: boo
         )
     role = "teacher" if kind == "teacher" else "reference"
     kwargs = task_args or None
+    _check_sft_data(spec, task, role, kwargs)
     return train_sft(
         task, size, task_kwargs=kwargs, progress=progress, role=role, validate=class_shares
     )
+
+
+def _check_sft_data(spec: str, task: str, role: str, task_args: dict[str, Any] | None) -> None:
+    """ConfigError, before any training, when the SFT that ``spec`` names cannot hold out its
+    class stop's validation slice from the task's training records (``task_args.n_train``
+    set low): with what to do instead."""
+    from anchor_rl.models.sft import class_stop_shortfall, default_config, is_complete, sft_dir
+    from anchor_rl.tasks import get_task
+
+    size = spec.partition(":")[2]
+    cfg = default_config(task, size, role, task_kwargs=task_args)
+    if cfg.class_stop is None or is_complete(sft_dir(cfg), cfg):
+        return
+    try:
+        records = get_task(task, **{**cfg.task_kwargs, **cfg.data_kwargs}).records("train")
+    except (ValueError, TypeError):
+        return  # the task's own error comes from the SFT, as before
+    if why := class_stop_shortfall(cfg, len(records)):
+        raise ConfigError(
+            f"model={spec}: {why}. To train on fewer prompts keep the task and set "
+            f"train_prompts=K instead (the {spec} reference stays the task's own), or use a "
+            f"model directory or random:{size}"
+        )
 
 
 def load_reference(

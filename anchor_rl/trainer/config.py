@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import tomllib
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -444,8 +446,8 @@ class TrainConfig(Section):
     that size on this task) or `random:SIZE` (random init, for tests)."""
     ref_model: str | None = None
     """Reference policy for KL (same forms as `model`); None: a frozen copy of the initial policy."""
-    seed: int = 0
-    """Seeds the prompt order, sampling and random init."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds the prompt order, sampling and random init (0 <= seed < 2**32, as numpy takes it)."""
     steps: int = Field(100, gt=0)
     """Training steps."""
     time_limit: float | None = Field(None, gt=0)
@@ -493,6 +495,19 @@ class TrainConfig(Section):
         for plugin in data.get("plugins") or []:
             load_plugin(str(plugin))
         return data
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        import torch  # here, at validation: importing the config needs no torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(
+                f"device={value!r} is not a torch device; use cpu, cuda, cuda:N or mps"
+            ) from None
+        return value
 
     @field_validator("components")
     @classmethod
@@ -746,6 +761,8 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     except TypeError as exc:
         takes = ", ".join(list(signature.parameters)[2:]) or "no options"
         errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
+    else:
+        errors += _engine_option_errors(name, engines().lookup(name), options)
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
 
@@ -820,6 +837,28 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
     return errors
 
 
+def _engine_option_errors(name: str, factory: Any, options: Mapping[str, Any]) -> list[str]:
+    """``rollout.engine_args.KEY=value: why`` for each option whose value the engine's factory
+    annotation rejects (``decode``'s modes, ``max_batch`` >= 1...), so that it fails with the
+    config rather than after the model is loaded. Options the run sets itself (the cluster
+    section's ``workers``, ``address``) are named as such by the check that follows."""
+    try:
+        target = factory.__init__ if inspect.isclass(factory) else factory
+        hints = typing.get_type_hints(target, include_extras=True)
+    except (NameError, TypeError):  # annotations this process cannot resolve: the engine checks
+        return []
+    errors = []
+    for key, value in options.items():
+        if key not in hints:
+            continue
+        try:
+            TypeAdapter(hints[key]).validate_python(value, strict=True)  # passed unconverted
+        except ValidationError as exc:
+            why = "; ".join(e["msg"] for e in exc.errors())
+            errors.append(f"rollout.engine_args.{key}={value!r}: {why} (the {name!r} engine)")
+    return errors
+
+
 # --- presets and overrides -------------------------------------------------------------
 
 
@@ -830,19 +869,28 @@ def builtin_names(package: str, folder: str) -> list[str]:
 
 
 def read_builtin_toml(
-    kind: str, package: str, folder: str, name_or_path: str
+    kind: str, package: str, folder: str, name_or_path: str, others: Sequence[str] = ()
 ) -> tuple[dict[str, Any], str]:
     """``(table, name)`` of a built-in ``kind`` (``preset``, ``suite``) by name, or of a TOML
-    file by path; ConfigError naming the built-in ones or the TOML error."""
+    file by path; ConfigError naming the built-in ones (with ``others``, the names the
+    command takes besides its files) or the TOML error. A path (a name ending in ``.toml``
+    or holding a directory) that names no TOML file is reported as such, not as a name."""
     path = Path(name_or_path)
     if path.suffix == ".toml" and path.is_file():
         text, name = path.read_text(), path.stem
+    elif path.suffix == ".toml" or len(path.parts) > 1:  # a path, not a name
+        what = (
+            "does not exist" if not path.exists()
+            else "is a directory" if path.is_dir() else "does not end in .toml"
+        )  # fmt: skip
+        raise ConfigError(f"{kind} file {name_or_path} {what}; give the path of a .toml file")
     else:
         file = resources.files(package) / folder / f"{name_or_path}.toml"
         if not file.is_file():
+            names = sorted({*builtin_names(package, folder), *others})
             raise ConfigError(
                 f"unknown {kind} {name_or_path!r}; built-in {kind}s: "
-                f"{', '.join(builtin_names(package, folder))} (or pass a path to a .toml file)"
+                f"{', '.join(names)} (or pass a path to a .toml file)"
             )
         text, name = file.read_text(), name_or_path
     try:

@@ -43,6 +43,7 @@ from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, 
 from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.learners import LearnerGroup
+from anchor_rl.trainer.logging import METRICS_FILE, jsonl_path
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors
 from anchor_rl.trainer.state import TrainState
 from anchor_rl.trainer.update import make_optimizer
@@ -127,7 +128,8 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
 
     A directory that holds a run is refused with what to do: ``--resume`` when it has a
     checkpoint, another ``--out`` when its config differs. One whose run stopped before its
-    first checkpoint (or whose set-up failed) holds nothing to lose: the run starts over in it.
+    first checkpoint holds nothing to lose: the run starts over in it; so does one whose
+    set-up failed (no checkpoint and no metrics), whatever config it was set up with.
     """
     run_dir = Path(run_dir)
     if (run_dir / CONFIG_FILE).exists():
@@ -146,8 +148,12 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
 
 
 def _check_reusable(cfg: TrainConfig, run_dir: Path) -> None:
-    """AnchorRLError unless ``run_dir`` holds a run of ``cfg`` that never saved a checkpoint."""
-    stored = json.loads((run_dir / CONFIG_FILE).read_text())
+    """AnchorRLError unless ``run_dir`` holds a run of ``cfg`` that never saved a checkpoint,
+    or a run (of any config) whose set-up failed: no checkpoint and no metrics line, not even
+    step 0's evaluation, so nothing it wrote is worth keeping."""
+    if not checkpoint.list_checkpoints(run_dir) and not _has_metrics(run_dir):
+        return
+    stored = _stored_config(run_dir)
     fresh = cfg.model_dump(mode="json")
     changed = sorted(
         key
@@ -165,6 +171,30 @@ def _check_reusable(cfg: TrainConfig, run_dir: Path) -> None:
             f"{run_dir} already holds this run, with checkpoints: continue it with "
             f"anchor-rl train --resume {run_dir}"
         )
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a non-empty metrics file (the loop writes its first line, step
+    0's evaluation or step 1, once set-up succeeded)."""
+    path = jsonl_path(run_dir / METRICS_FILE)
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _stored_config(run_dir: Path) -> dict[str, Any]:
+    """The config stored in ``run_dir``; AnchorRLError naming the file when it is not JSON."""
+    path = run_dir / CONFIG_FILE
+    try:
+        stored = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AnchorRLError(
+            f"{path} is not a run's config ({e}); restore it, or start a new run with --out"
+        ) from None
+    if not isinstance(stored, dict):
+        raise AnchorRLError(
+            f"{path} is not a run's config (not a JSON object); restore it, or start a new run "
+            "with --out"
+        )
+    return stored
 
 
 def resume_run(
@@ -226,7 +256,7 @@ def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) ->
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise AnchorRLError(f"{run_dir} holds no run ({CONFIG_FILE} missing); start one there")
-    table = json.loads((run_dir / CONFIG_FILE).read_text())
+    table = _stored_config(run_dir)
     overrides = overrides or {}
     for key in overrides:
         if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):

@@ -366,3 +366,12 @@ def test_evaluations_come_coarse_while_far_from_the_window():
     assert sft.next_evaluation(1000, shares(0.7, 0.3, 0.0), stop) == 1200  # thinnest 0 < 0.075
     assert sft.next_evaluation(1200, shares(0.5, 0.42, 0.08), stop) == 1250  # 0.08: near
     assert sft.next_evaluation(1250, shares(0.5, 0.42, 0.08), sft.ClassStop(coarse=1)) == 1300
+
+
+def test_a_class_stop_on_too_few_training_records_is_a_config_error(tmp_path) -> None:
+    from anchor_rl.errors import ConfigError
+
+    cfg = sft.default_config("arithmetic", task_kwargs={"n_train": 5})
+    assert cfg.class_stop is not None
+    with pytest.raises(ConfigError, match=r"class_stop.val_prompts=\d+ training records.*only 5"):
+        sft.run_sft(cfg, tmp_path, progress=False, validate=lambda *args: {})

@@ -5,6 +5,7 @@ directories."""
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from anchor_rl.models.loading import check_device, load_policy, save_policy
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.trainer import checkpoint as checkpoint_mod
 from anchor_rl.trainer import loop
+from anchor_rl.trainer import run as run_mod
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.logging import METRICS_FILE, read_metrics
@@ -62,6 +64,43 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(parity, tiny, tm
     start_run(cfg, tmp_path / "other")
     resumed = train(resume_run(tmp_path / "other", {"steps": 2}))  # --resume starts at 0
     assert [r["step"] for r in read_metrics(resumed.run_dir)] == [1, 2]
+
+
+def test_a_run_whose_set_up_failed_is_started_over_whatever_its_config(
+    parity, tiny, tmp_path, monkeypatch
+) -> None:
+    real = run_mod._assemble
+
+    def fails(*args, **kwargs):
+        raise ValueError("the engine could not start")
+
+    monkeypatch.setattr(run_mod, "_assemble", fails)
+    with pytest.raises(ValueError, match="could not start"):
+        start_run(_cfg(tiny, "seed=5"), tmp_path / "run")
+    assert (tmp_path / "run" / "config.json").is_file()  # written before the set-up failed
+    monkeypatch.setattr(run_mod, "_assemble", real)
+    start_run(_cfg(tiny), tmp_path / "run")  # the corrected command: nothing to lose there
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 0
+    (tmp_path / "run" / METRICS_FILE).write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    with pytest.raises(AnchorRLError, match=r"holds another run \(its config differs in seed\)"):
+        start_run(_cfg(tiny, "seed=5"), tmp_path / "run")  # a run that logged: kept
+
+
+def test_a_corrupt_run_config_is_named_on_resume(tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"task": "arith')
+    with pytest.raises(AnchorRLError, match=r"config.json is not a run's config"):
+        resume_run(tmp_path)
+
+
+def test_a_run_directory_given_as_a_model_points_at_its_checkpoints(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(load_config("grpo").model_dump(mode="json")))
+    with pytest.raises(AnchorRLError, match="run directory, not a model.*no checkpoint yet"):
+        load_policy(tmp_path)
+    for step in ("step_000001", "step_000002"):
+        (tmp_path / "checkpoints" / step / "policy").mkdir(parents=True)
+    newest = tmp_path / "checkpoints" / "step_000002" / "policy"
+    with pytest.raises(AnchorRLError, match=f"the newest is {newest}"):
+        load_policy(tmp_path)
 
 
 def test_the_same_command_on_a_saved_run_says_how_to_resume(parity, tiny, tmp_path) -> None:

@@ -129,12 +129,35 @@ def test_section_is_not_a_value() -> None:
         ("reward.task_weight=nan", "reward.task_weight"),
         ("reward.weights=[1.0, inf]", "reward.weights.1"),
         ("optim.betas=[1.5, 0.9]", "optim.betas.0"),
+        ("seed=-1", "seed"),  # numpy and torch take 0 <= seed < 2**32: refused now, not at run
+        ("seed=4294967296", "seed"),
+        ("rollout.engine_args.max_batch=0", "rollout.engine_args.max_batch=0"),
+        ("rollout.engine_args.decode=foo", "rollout.engine_args.decode='foo'"),
+        ("rollout.engine_args.precision=fp8", "rollout.engine_args.precision='fp8'"),
+        ('rollout.engine_args.max_batch="8"', "rollout.engine_args.max_batch='8'"),  # unconverted
     ],
 )
 def test_invalid_values_name_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("grpo", [override])
     assert f"{field}:" in str(info.value)
+
+
+def test_engine_options_are_checked_against_the_engines_annotations() -> None:
+    with pytest.raises(ConfigError, match="should be 'auto', 'static', 'hf' or 'graph'"):
+        load_config("grpo", ["rollout.engine_args.decode=foo"])
+    with pytest.raises(ConfigError, match=r"max_batch=0: .* \(the 'ray' engine\)"):
+        load_config("grpo", ["cluster.rollout_workers=2", "rollout.engine_args.max_batch=0"])
+    cfg = load_config(
+        "grpo", ["rollout.engine_args.decode=static", "rollout.engine_args.max_batch=8"]
+    )
+    assert cfg.engine == ("hf", {"decode": "static", "max_batch": 8})
+
+
+def test_a_device_torch_does_not_know_is_refused_with_the_config() -> None:
+    with pytest.raises(ConfigError, match="device='banana' is not a torch device"):
+        load_config("grpo", ["device=banana"])
+    assert load_config("grpo", ["device=cuda:1"]).device == "cuda:1"  # checked at run time
 
 
 def test_a_preset_is_chosen_with_the_flag_not_relabelled_by_an_override() -> None:
@@ -170,6 +193,9 @@ def test_unknown_preset_lists_the_presets(tmp_path) -> None:
     custom.write_text("[kl]\ncoef = 0.5\n")
     cfg = load_config(str(custom))
     assert cfg.preset == "mine" and cfg.kl.coef == 0.5
+    for path in (tmp_path / "missing.toml", tmp_path / "missing"):  # a path, not a name
+        with pytest.raises(ConfigError, match=f"preset file {path} does not exist"):
+            read_preset(str(path))
 
 
 def test_apply_overrides_does_not_mutate_its_input() -> None:
@@ -251,6 +277,8 @@ REFUSED = [
      "switches value pretraining off"),
     ("`rollout.engine_args.workers` / `.address` with `cluster.rollout_workers`", "grpo",
      ["cluster.rollout_workers=2", "rollout.engine_args.address=auto"], "set them there"),
+    ("`rollout.engine_args` values the engine does not take (`decode=foo`, `precision=fp8`, "
+     "`max_batch=0`)", "grpo", ["rollout.engine_args.precision=fp8"], "should be 'model' or 'bf16'"),
 ]  # fmt: skip
 
 
