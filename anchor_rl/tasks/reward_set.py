@@ -3,7 +3,8 @@
 A new reward does not need a new task: :class:`RewardedTask` wraps any task and replaces
 its ``reward`` by ``task_weight * task.reward + sum_i w_i * f_i``, where each ``f_i`` has
 TRL's signature ``f(prompts, completions, **columns) -> list[float | None]`` (a built-in
-name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS` or an importable ``module:function``).
+name of :data:`anchor_rl.rewards.REWARD_FUNCTIONS`, an importable ``module:function``, or
+such a function itself, which goes by that name: :func:`reward_function_name`).
 The columns are ``answer`` (the record's gold answer: a string, or, when the record has
 aliases in ``meta["aliases"]``, the list of the gold answer and its aliases), ``prompt_id``
 and the record's ``meta`` fields. A ``None`` reward, a raising call and a timed-out one add
@@ -31,9 +32,44 @@ VERIFIER_TIMEOUT = 10.0
 """Seconds a reward function may take on one completion before it counts as failed."""
 
 
+def reward_function_name(function: str | RewardFunction) -> str:
+    """The name a reward function goes by in the anchors' store key and the failure counts: a
+    string as given; a built-in function by its built-in name; any other function as
+    ``module:qualname``, which must import back to that very function (so the key names the
+    same function in every run that passes it, by name or by object; like a string, the name
+    stands for the code). ValueError for a lambda, a nested function, a method or another
+    callable that no ``module:function`` names."""
+    if isinstance(function, str):
+        return function
+    for name, builtin in REWARD_FUNCTIONS.items():
+        if builtin is function:
+            return name
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", None)
+    found = None
+    if module and qualname and "." not in qualname and "<" not in qualname:
+        try:
+            found = getattr(importlib.import_module(module), qualname, None)
+        except ImportError:
+            found = None
+    if found is None or found is not function:
+        raise ValueError(
+            f"reward function {function!r}: a reward function is named in the anchors' key by "
+            "module:function, and no importable module:function names this one (a lambda, "
+            "nested function, method or callable object); define it at module level, or pass "
+            "a built-in name or a 'module:function' string"
+        )
+    return f"{module}:{qualname}"
+
+
 def resolve_reward_function(name: str) -> RewardFunction:
     """A built-in reward function by name, or ``module:function`` imported; ValueError naming
     the built-in ones otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"reward function {name!r}: a built-in name or a 'module:function' string "
+            "(RewardedTask and with_rewards also take module-level functions)"
+        )
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     module, sep, attr = name.partition(":")
@@ -61,7 +97,9 @@ class RewardedTask(Task):
 
     Args:
         task: the task whose records, verifier (``correct``), trace, tools and stops are used.
-        functions: reward function names (:func:`resolve_reward_function`).
+        functions: reward function names (:func:`resolve_reward_function`) or module-level
+            functions (TRL's ``reward_funcs``), which go by :func:`reward_function_name`: their
+            ``module:function`` or built-in name, in :attr:`functions` and the store key.
         weights: one per function (TRL's ``reward_weights``); None: 1 each.
         task_weight: the weight of ``task.reward``; 0 leaves the functions alone.
     """
@@ -69,11 +107,13 @@ class RewardedTask(Task):
     def __init__(
         self,
         task: Task,
-        functions: Sequence[str],
+        functions: Sequence[str | RewardFunction],
         weights: Sequence[float] | None = None,
         task_weight: float = 1.0,
     ) -> None:
         super().__init__()
+        given = {reward_function_name(f): f for f in functions}
+        functions = [reward_function_name(f) for f in functions]
         weights = [1.0] * len(functions) if weights is None else list(weights)
         if len(weights) != len(functions):
             raise ValueError(f"{len(weights)} weights for {len(functions)} reward functions")
@@ -82,9 +122,9 @@ class RewardedTask(Task):
         self.task, self.functions, self.weights = task, list(functions), weights
         self.task_weight = float(task_weight)
         self.verifiers: dict[str, SafeVerifier] = {
-            name: SafeVerifier(resolve_reward_function(name), on_error=None,
+            name: SafeVerifier(f if callable(f) else resolve_reward_function(f), on_error=None,
                                timeout=VERIFIER_TIMEOUT, name=name)
-            for name in dict.fromkeys(functions)
+            for name, f in given.items()
         }  # fmt: skip
         self.name = task.name
         self.instruction = task.instruction
@@ -140,10 +180,14 @@ class RewardedTask(Task):
 
 
 def with_rewards(
-    task: Task, functions: Sequence[str], weights: Sequence[float] | None, task_weight: float
+    task: Task,
+    functions: Sequence[str | RewardFunction],
+    weights: Sequence[float] | None,
+    task_weight: float,
 ) -> Task:
     """``task`` itself when its reward is unchanged (no function, weight 1), else a
-    :class:`RewardedTask`."""
+    :class:`RewardedTask` (``functions``: names, ``module:function`` strings or module-level
+    functions)."""
     if not functions and task_weight == 1.0:
         return task
     return RewardedTask(task, functions, weights, task_weight)

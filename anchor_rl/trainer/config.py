@@ -678,8 +678,6 @@ def combination_errors(cfg: TrainConfig) -> list[str]:
         lo, hi = vc.reward_range
         if cfg.rollout.n > vc.k_max:
             errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
-        if not lo < hi:
-            errors.append(f"v05.reward_range must be (lo, hi) with lo < hi, got {vc.reward_range}")
         if cfg.reward.overlong_cache > 0 and lo > -1:
             errors.append(
                 "reward.overlong_cache punishes overlong responses down to -1, below "

@@ -13,11 +13,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from anchor_rl.trainer.section import Section
 
 PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
+
+
+def check_reward_range(value: tuple[float, float]) -> tuple[float, float]:
+    """``value`` when ``lo < hi``; ValueError otherwise, at config time: an empty or reversed
+    range holds no reward, and would fail later, in the priors or the reward check."""
+    lo, hi = value
+    if not lo < hi:
+        raise ValueError(f"must be (lo, hi) with lo < hi, got {list(value)}; e.g. [0, 1]")
+    return value
 
 
 class V05Config(Section):
@@ -66,3 +75,8 @@ class V05Config(Section):
     0 skips that part."""
     probe_heldout_truth: int = Field(32, gt=1)
     """Probe: ground-truth rollouts per held-out prompt."""
+
+    @field_validator("reward_range")
+    @classmethod
+    def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        return check_reward_range(value)

@@ -38,8 +38,9 @@ def test_both_trainers_phases_add_up_to_their_steps(tmp_path: Path) -> None:
     # prompt once per group and the real response tokens only
     tokens = {t: result["runs"][t][0]["tokens_scored"] for t in probe.TRAINERS}
     assert 0 < tokens["anchor-rl"] < tokens["trl"]
+    # the ratio is rounded to 3 decimals, the medians to 0.01 ms
     assert result["trl_over_anchor_rl"]["step"] == pytest.approx(
-        result["median"]["trl"]["step"] / result["median"]["anchor-rl"]["step"], rel=1e-3
+        result["median"]["trl"]["step"] / result["median"]["anchor-rl"]["step"], abs=6e-4
     )
 
 

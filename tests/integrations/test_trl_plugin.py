@@ -49,6 +49,7 @@ from anchor_rl.integrations.trl.trainers import TEACHER_KEY
 from anchor_rl.models.factory import build_model
 from anchor_rl.rollout.engine import make_engine
 from anchor_rl.rollout.types import SamplingParams
+from anchor_rl.tasks.base import Record
 
 M, K, MAX_NEW = 4, 4, 8
 CLASSES = {
@@ -287,8 +288,9 @@ def test_pvpo_refreshes_the_anchors_every_k_optimizer_steps(
 
 REFRESH_TIMING = {
     # one generation batch trains 3 optimizer steps: steps 2 and 4 pass inside batches, which
-    # keep their anchors; the refreshes come with the next batches, at steps 3 and 6
-    "reused": ({"num_iterations": 3, "max_steps": 7}, [0, 3, 6], [3, 6]),
+    # keep their anchors; the refreshes come with the next batches, at steps 3 and 6, keyed
+    # by the steps they were due at, 2 and 6 (a resumed run's batches may start elsewhere)
+    "reused": ({"num_iterations": 3, "max_steps": 7}, [0, 3, 6], [2, 6]),
     # one optimizer step spans 2 generation batches: step 2's refresh comes with its first, once
     "accumulated": (
         {
@@ -301,8 +303,8 @@ REFRESH_TIMING = {
         [2],
     ),
 }
-"""setting -> (GRPOConfig changes, global_step of each generation batch, refresh steps) with
-pvpo.refresh_every = 2."""
+"""setting -> (GRPOConfig changes, global_step of each generation batch, the steps that key
+the refreshes) with pvpo.refresh_every = 2."""
 
 
 @pytest.mark.parametrize("setting", list(REFRESH_TIMING))
@@ -657,6 +659,89 @@ def test_settings_that_cannot_work_are_refused_naming_the_field(
     tools.tools = {"search": object()}
     with pytest.raises(ConfigError, match="uses tools"):
         PVPOGRPOTrainer(model, args=args, **(common | {"task": tools}))
+
+
+class _IntIds(ParityTask):
+    """The parity task with record ids "0".."7" (a dataset may hold them as integers)."""
+
+    def records(self, split):
+        return [Record(str(i), f"q{i}", "even") for i in range(8)]
+
+
+class _LongTrace(ParityTask):
+    """The parity task whose oracle trace (correct) is longer than MAX_NEW tokens."""
+
+    def trace(self, record):
+        return "0" * 40
+
+
+def test_evaluation_prompts_and_integer_ids_find_their_records(
+    tmp_path, tokenizer, task, model
+) -> None:
+    common = {"processing_class": tokenizer, "v05": {"prior": "history"}, "progress": False}
+    held_out = task_dataset(task, tokenizer, task.records("test"))
+    trainer = V05GRPOTrainer(
+        model, args=grpo_args(tmp_path), task=task, eval_dataset={"test": held_out}, **common
+    )
+    reward = trainer.reward_funcs[0]  # what TRL scores evaluation with, too
+    assert reward([None] * 2, ["0", "1"], prompt_id=["test-4", "train-1"]) == [1.0, 0.0]
+    unknown = held_out.map(lambda row: {"prompt_id": "nope"})
+    with pytest.raises(ConfigError, match="eval_dataset row 0: prompt_id 'nope' is not a record"):
+        V05GRPOTrainer(model, args=grpo_args(tmp_path), task=task, eval_dataset=unknown, **common)
+    other = held_out.map(lambda row: {"prompt_id": "test-5"})
+    with pytest.raises(ConfigError, match=r"eval_dataset\['x'\] row 0 \(prompt_id 'test-5'\)"):
+        V05GRPOTrainer(
+            model, args=grpo_args(tmp_path), task=task, eval_dataset={"x": other}, **common
+        )  # fmt: skip
+    # integer prompt ids: the trainer reads them as str, and so does the reward
+    ints = task_dataset(_IntIds(), tokenizer)
+    ints = datasets.Dataset.from_dict({"prompt": ints["prompt"], "prompt_id": list(range(8))})
+    trainer = V05GRPOTrainer(
+        model, args=grpo_args(tmp_path), task=_IntIds(), train_dataset=ints, **common
+    )
+    assert trainer.reward_funcs[0]([None], ["0"], prompt_id=[4]) == [1.0]
+
+
+def test_too_few_prompts_for_a_generation_batch_are_refused(
+    tmp_path, tokenizer, task, model
+) -> None:
+    store = fill_store(tmp_path / "anchors.db", model, tokenizer, task)
+    common = {"processing_class": tokenizer, "task": task, "progress": False}
+    args = grpo_args(tmp_path, per_device_train_batch_size=8 * K)  # 8 prompts a batch
+    with pytest.raises(ConfigError, match="group sampling kept 6 prompt rows, fewer than the 8"):
+        PVPOGRPOTrainer(model, args=args, pvpo={"m": M, "store": str(store)}, **common)
+    args = grpo_args(tmp_path, per_device_train_batch_size=4 * K, steps_per_generation=3)
+    with pytest.raises(ConfigError, match=r"train_dataset has 8 .* 12 .* 48 // num_generations 4"):
+        V05GRPOTrainer(model, args=args, v05={"prior": "history"}, **common)
+
+
+def test_teacher_rows_are_completions_that_end_or_are_cut_at_max_completion_length(
+    tmp_path, tokenizer, task, model
+) -> None:
+    store = str(fill_store(tmp_path / "anchors.db", model, tokenizer, task))
+    common = {"processing_class": tokenizer, "progress": False, "pvpo": {"m": M, "store": store}}
+    masked = grpo_args(tmp_path, mask_truncated_completions=True)
+    # the oracle's trace "0" gets eos (log pi_gt 0): TRL's mask keeps the row
+    trainer = PVPOGRPOTrainer(model, args=masked, task=task, **common)
+    trace = tokenizer.encode("0", add_special_tokens=False)
+    for traj in trainer.trajectories.values():
+        assert traj.token_ids.tolist() == [*trace, tokenizer.eos_token_id]
+        assert traj.logprobs.tolist() == [0.0] * 2 and traj.loss_mask.tolist() == [1.0] * 2
+    # a trace longer than max_completion_length is cut there, its log-probs too: truncated
+    # (the store keeps teacher trajectories by task identity, which the trace is not part of)
+    store = str(fill_store(tmp_path / "long.db", model, tokenizer, task))
+    common["pvpo"] = {"m": M, "store": store}
+    long = PVPOGRPOTrainer(model, args=grpo_args(tmp_path), task=_LongTrace(), **common)
+    for traj in long.trajectories.values():
+        assert len(traj) == len(traj.logprobs) == MAX_NEW and traj.text == "0" * MAX_NEW
+    with pytest.raises(ConfigError, match=r"mask 2 teacher .* fill max_completion_length=8 .* 41"):
+        PVPOGRPOTrainer(model, args=masked, task=_LongTrace(), **common)
+    # a teacher whose log-prob of an appended eos is unknown
+    scored = common | {"pvpo": common["pvpo"] | {"teacher": "oracle:reference"}}
+    with pytest.raises(ConfigError, match=r"2 come from pvpo\.teacher='oracle:reference'"):
+        PVPOGRPOTrainer(model, args=masked, task=task, **scored)
+    with pytest.raises(ConfigError, match=r"v05\.reward_range: must be \(lo, hi\) with lo < hi"):
+        V05GRPOTrainer(model, args=masked, task=task, v05={"reward_range": [1.0, 0.0]}, **common)
 
 
 def test_reward_weights_other_than_1_are_refused(tmp_path, tokenizer, task, model) -> None:

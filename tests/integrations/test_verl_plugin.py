@@ -253,6 +253,8 @@ def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
         MethodConfig.from_verl(
             {"anchor_rl": {"method": "pvpo", "pvpo": {"refresh_mode": "policy"}}}
         )
+    with pytest.raises(ValueError, match=r"v05\.reward_range\n.*lo < hi, got \[1\.0, 0\.0\]"):
+        MethodConfig.from_verl({"anchor_rl": {"method": "v05", "v05": {"reward_range": [1, 0]}}})
     with pytest.raises(ValueError, match="anchor_rl. config node"):
         MethodConfig.from_verl({"trainer": {"v1": {"trainer_mode": TRAINER}}})
     check_verl_config(_verl_cfg("vapo"), MethodConfig.from_verl(_verl_cfg("vapo")))  # fine

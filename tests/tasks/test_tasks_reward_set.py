@@ -1,6 +1,9 @@
 """What RewardedTask hands its reward functions (the rest is in tests/trainer/test_reward_set.py)."""
 
 import json
+from functools import partial
+
+import pytest
 
 from anchor_rl.tasks import get_task
 from anchor_rl.tasks.base import Record
@@ -41,3 +44,25 @@ def test_the_answer_column(monkeypatch):
     for record in (plain, empty, aliased):
         rewarded.reward("<answer>x</answer>", record)
     assert seen == [["Paris"], ["Paris"], [["Paris", "Paree"]]]
+
+
+def half(prompts, completions, **columns):
+    """A module-level reward function: 0.5 for every completion."""
+    return [0.5] * len(completions)
+
+
+def test_functions_themselves_go_by_their_module_function_name():
+    """TRL's reward_funcs are callables: with_rewards takes them, keyed as if named."""
+    from anchor_rl.rewards.functions import format_reward
+    from anchor_rl.tasks.reward_set import with_rewards
+
+    task = get_task("arithmetic", n_train=5, n_test=5)
+    record = task.records("train")[0]
+    rewarded = with_rewards(task, [half, format_reward], [0.5, 1.0], 1.0)
+    named = with_rewards(task, [f"{half.__module__}:half", "format"], [0.5, 1.0], 1.0)
+    assert rewarded.functions == named.functions == [f"{half.__module__}:half", "format"]
+    assert rewarded.reward_spec() == named.reward_spec()  # the same anchors' key
+    assert rewarded.reward("x", record) == task.reward("x", record) + 0.25
+    for unnamed in (lambda prompts, completions, **_: [1.0] * len(completions), partial(half)):
+        with pytest.raises(ValueError, match="no importable module:function names this one"):
+            with_rewards(task, [unnamed], None, 1.0)

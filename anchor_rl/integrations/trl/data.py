@@ -76,15 +76,16 @@ def task_reward_function(
     task: Task, records: Sequence[Record] | Mapping[str, Record]
 ) -> Callable[..., list[float]]:
     """The task's reward in TRL's signature ``fn(prompts, completions, prompt_id, **columns)``:
-    ``task.reward(completion, record)`` of each row's record (looked up by ``prompt_id``).
-    Its name (TRL's ``rewards/NAME/*`` metrics) is ``TASK_reward``."""
+    ``task.reward(completion, record)`` of each row's record (looked up by ``str(prompt_id)``,
+    as the trainers read the column, so a dataset of integer ids finds its records). Its
+    name (TRL's ``rewards/NAME/*`` metrics) is ``TASK_reward``."""
     by_id = dict(records) if isinstance(records, Mapping) else {r.id: r for r in records}
 
     def reward(
         prompts: list[Any], completions: list[Any], prompt_id: list[str], **_: Any
     ) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return [task.reward(t, by_id[i]) for t, i in zip(texts, prompt_id, strict=True)]
+        return [task.reward(t, by_id[str(i)]) for t, i in zip(texts, prompt_id, strict=True)]
 
     reward.__name__ = f"{task.name}_reward"
     return reward

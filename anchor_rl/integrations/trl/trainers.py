@@ -43,8 +43,10 @@ pins the TRL releases they are tested against.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -123,6 +125,7 @@ caps, n-gram bans, logits processors, token biases, ...) may change what is samp
 what the anchors were sampled under, and is refused."""
 
 Section = TypeVar("Section", bound=BaseModel)
+_log = logging.getLogger(__name__)
 
 
 class UnsupportedFeatureError(AnchorRLError, NotImplementedError):
@@ -164,6 +167,45 @@ def _fresh_copy(model: PreTrainedModel) -> PreTrainedModel:
     return frozen(clone.to(model.device))
 
 
+def _check_columns(dataset: Any, what: str) -> None:
+    """ConfigError unless ``dataset`` is a map-style dataset with ``prompt`` and ``prompt_id``."""
+    if not isinstance(dataset, datasets.Dataset):
+        raise ConfigError(
+            f"{what}: a datasets.Dataset (map-style: its rows are checked before training, and "
+            f"the training rows filtered by group sampling), got {type(dataset).__name__}"
+        )
+    missing = sorted({"prompt", ID_COLUMN} - set(dataset.column_names))
+    if missing:
+        raise ConfigError(
+            f"{what} lacks the column(s) {missing}; build it with "
+            "anchor_rl.integrations.trl.task_dataset(task, tokenizer)"
+        )
+
+
+def _eval_parts(eval_dataset: Any) -> list[tuple[str, Any]]:
+    """``(name in errors, dataset)`` of each evaluation dataset TRL is given (one, or a dict)."""
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, Mapping):
+        return [(f"eval_dataset[{key!r}]", part) for key, part in eval_dataset.items()]
+    return [("eval_dataset", eval_dataset)]
+
+
+def _eval_records(eval_dataset: Any, task: Task, known: Mapping[str, Record]) -> dict[str, Record]:
+    """The records the evaluation rows name beyond ``known``, from the task's splits: the
+    reward function looks every scored row's record up (ids found nowhere are left for
+    :meth:`AnchoredGRPOTrainer._check_dataset` to name)."""
+    wanted: set[str] = set()
+    for what, dataset in _eval_parts(eval_dataset):
+        _check_columns(dataset, what)
+        wanted |= {str(i) for i in dataset[ID_COLUMN]} - set(known)
+    found: dict[str, Record] = {}
+    for split in ("test", "train"):
+        if wanted - set(found):
+            found |= {r.id: r for r in task.records(split) if r.id in wanted}
+    return found
+
+
 class AnchoredGRPOTrainer(GRPOTrainer):
     """A ``GRPOTrainer`` on an anchor-rl task whose advantages a method computes.
 
@@ -178,7 +220,12 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         train split).
     train_dataset: rows ``{"prompt", "prompt_id"}`` (:func:`~.data.task_dataset`); default:
         every record, built with ``processing_class``. Each prompt must tokenise to the ids
-        anchor-rl renders for its record (checked).
+        anchor-rl renders for its record (checked), and the rows must fill at least one
+        generation batch (checked: TRL's ``RepeatSampler`` drops a partial one).
+    eval_dataset: TRL's, rows ``{"prompt", "prompt_id"}`` too (a dataset or a dict of them),
+        e.g. ``task_dataset(task, tokenizer, task.records("test"))``: its ``prompt_id`` names
+        a record of ``records`` or of the task's splits, whose reward the task gives (checked
+        as ``train_dataset`` is).
     reference_model: the reference the anchors are presampled with; default TRL's
         reference model (``beta > 0``, no ``sync_ref_model``), else the initial policy.
     progress: progress bars and the presampling summary on the console.
@@ -208,7 +255,8 @@ class AnchoredGRPOTrainer(GRPOTrainer):
             raise ConfigError(
                 "reward_funcs: the trainer's reward is the task's (its anchors and priors are in "
                 "its units); fold reward functions into the task with "
-                "anchor_rl.tasks.reward_set.with_rewards(task, functions, weights, task_weight)"
+                "anchor_rl.tasks.reward_set.with_rewards(task, functions, weights, task_weight), "
+                "functions being module-level functions, built-in names or 'module:function'"
             )
         taken = [k for k in ("tools", "rollout_func", "environment_factory") if kwargs.get(k)]
         if taken:
@@ -219,6 +267,8 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         name, task_obj, kwargs_of_task = resolve_task(task, task_args)
         listed = list(task_obj.records("train") if records is None else records)
         by_id = {r.id: r for r in listed}
+        # the reward's records: the training ones and those evaluation names
+        scored = by_id | _eval_records(eval_dataset, task_obj, by_id)
         if train_dataset is None:
             if processing_class is None:
                 raise ConfigError(
@@ -227,7 +277,7 @@ class AnchoredGRPOTrainer(GRPOTrainer):
                 )
             train_dataset = task_dataset(task_obj, processing_class, listed)
         super().__init__(
-            model, task_reward_function(task_obj, by_id), args, train_dataset, eval_dataset,
+            model, task_reward_function(task_obj, scored), args, train_dataset, eval_dataset,
             processing_class, **kwargs,
         )  # fmt: skip
         self.task, self.task_name, self.task_args = task_obj, name, kwargs_of_task
@@ -237,6 +287,9 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         self._check_settings()
         self._add_stops(stop_token_ids(self._tokenizer, task_obj.stop))
         self.dataset_ids = self._check_dataset(self.train_dataset)
+        self._check_fills_a_batch("train_dataset has")
+        for what, dataset in _eval_parts(eval_dataset):
+            self._check_dataset(dataset, what, scored)
         self.sampling = task_params(
             SamplingParams(
                 temperature=self.args.temperature,
@@ -322,26 +375,23 @@ class AnchoredGRPOTrainer(GRPOTrainer):
             self.generation_config.eos_token_id = list(self.eos_token_ids)
             self.generation_kwargs["eos_token_id"] = list(self.eos_token_ids)
 
-    def _check_dataset(self, dataset: Any) -> list[str]:
-        """The ``prompt_id`` of every row; ConfigError naming the first row that is not one of
-        ``records`` or whose prompt tokenises to other ids than anchor-rl renders for it."""
-        if not isinstance(dataset, datasets.Dataset):
-            raise ConfigError(
-                "train_dataset: a datasets.Dataset (map-style: its rows are checked, and filtered "
-                f"by group sampling, before training), got {type(dataset).__name__}"
-            )
-        missing = sorted({"prompt", ID_COLUMN} - set(dataset.column_names))
-        if missing:
-            raise ConfigError(
-                f"train_dataset lacks the column(s) {missing}; build it with "
-                "anchor_rl.integrations.trl.task_dataset(task, tokenizer)"
-            )
+    def _check_dataset(
+        self,
+        dataset: Any,
+        what: str = "train_dataset",
+        records: Mapping[str, Record] | None = None,
+    ) -> list[str]:
+        """The ``prompt_id`` of every row (as ``str``); ConfigError naming the first row that is
+        not one of ``records`` (default: the training records) or whose prompt tokenises to
+        other ids than anchor-rl renders for it. ``what`` names the dataset in the errors."""
+        by_id = self.records_by_id if records is None else records
+        _check_columns(dataset, what)
         ids = [str(i) for i in dataset[ID_COLUMN]]
-        unknown = [(row, i) for row, i in enumerate(ids) if i not in self.records_by_id]
+        unknown = [(row, i) for row, i in enumerate(ids) if i not in by_id]
         if unknown:
             row, pid = unknown[0]
             raise ConfigError(
-                f"train_dataset row {row}: prompt_id {pid!r} is not a record of task "
+                f"{what} row {row}: prompt_id {pid!r} is not a record of task "
                 f"{self.task.name!r} ({len(unknown)} such rows); pass records= the dataset's records"
             )
         prompts, wanted = dataset["prompt"], {}
@@ -350,17 +400,32 @@ class AnchoredGRPOTrainer(GRPOTrainer):
             for row, ids_of_row in enumerate(got, start):
                 pid = ids[row]
                 if pid not in wanted:
-                    record = self.records_by_id[pid]
+                    record = by_id[pid]
                     wanted[pid] = encode_prompt(
                         self._tokenizer, record.prompt, self.task.instruction
                     )
                 if list(ids_of_row) != wanted[pid]:
                     raise ConfigError(
-                        f"train_dataset row {row} (prompt_id {pid!r}): its prompt tokenises to other "
+                        f"{what} row {row} (prompt_id {pid!r}): its prompt tokenises to other "
                         "ids than anchor-rl renders for the record, so the anchors would be another "
                         "prompt's; build the dataset with anchor_rl.integrations.trl.task_dataset"
                     )
         return ids
+
+    def _check_fills_a_batch(self, what: str) -> None:
+        """ConfigError unless ``train_dataset`` has the rows of one generation batch: TRL's
+        ``RepeatSampler`` drops a partial batch, so fewer rows would train 0 steps, silently.
+        ``what`` says whose rows they are."""
+        needed = self.args.generation_batch_size // self.num_generations
+        rows = len(self.train_dataset)
+        if rows < needed:
+            raise ConfigError(
+                f"{what} {rows} prompt rows, fewer than the {needed} one generation batch needs "
+                f"(generation_batch_size {self.args.generation_batch_size} // num_generations "
+                f"{self.num_generations}), and TRL's RepeatSampler drops a partial batch, so "
+                "training would do 0 steps; lower per_device_train_batch_size or "
+                "steps_per_generation, or train on more prompts"
+            )
 
     def _reference(self, kept_for: tuple[str, str] | None = None) -> PreTrainedModel:
         """The model the anchors are presampled with: ``reference_model``, else TRL's reference
@@ -612,9 +677,12 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
     anchors of the training prompts are re-estimated by ``anchors.presample.refresh_anchors``
     once K, 2K, ... optimizer steps (``state.global_step``) have passed, at the start of the
     next generation batch (never within one), and serve every advantage from then on. The
-    refresh is keyed by the ``global_step`` it is made at (K, 2K, ... when a generation batch
-    starts there, as with TRL's default ``steps_per_generation = gradient_accumulation_steps``
-    and ``num_iterations = 1``; else the first generation batch's step after it).
+    refresh is keyed by the step it was due at, K, 2K, ..., whichever batch makes it (the
+    one starting there, as with TRL's default ``steps_per_generation =
+    gradient_accumulation_steps`` and ``num_iterations = 1``; else the first generation
+    batch after it), so a run resumed mid-generation-batch, whose batches start at other
+    steps, makes it under the same key and finds its rows (a checkpoint of an older
+    plug-in, which keyed it by the batch's step, keeps its key).
     ``refresh_mode="reference"`` samples the reference again (with no fixed reference model,
     a frozen copy of the initial policy is kept for it); ``"policy"`` samples a frozen copy of
     the current policy's weights, made for the refresh and dropped after it, and its store
@@ -626,8 +694,12 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
     ``refresh`` (what the refreshed anchors rest on, rows found in the store included) and
     ``refresh_now`` (what was sampled). Each checkpoint keeps the key of the anchors in use
     and the last refresh: a resumed run continues with them, and a refresh it repeats (a
-    checkpoint saved at step K, before the refresh) finds its rows in the store and samples
-    nothing.
+    checkpoint saved before the refresh) finds its rows in the store and samples nothing
+    (in ``policy`` mode, when the snapshot's weights are the same: a resume from the step
+    the refresh was made at).
+
+    Teacher rows are the trajectories as TRL completions (:meth:`_fit`): cut at
+    ``max_completion_length``, and the ``oracle``'s ended with eos.
 
     The rest as :class:`AnchoredGRPOTrainer`. After set-up: ``anchor_set`` (what presampling
     at start did), ``filter_result`` (group sampling's ``FilterResult`` or None; its
@@ -726,7 +798,8 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         rows = [row for row, pid in enumerate(self.dataset_ids) if pid in keep]
         self.train_dataset = self.train_dataset.select(rows)
         self.dataset_ids = [self.dataset_ids[row] for row in rows]
-        self.filter_result, self.trajectories = result, dict(result.trajectories)
+        self._check_fills_a_batch("group sampling kept")
+        self.filter_result, self.trajectories = result, self._fit(result.trajectories)
         failed = result.stats.acc_zero - len(result.trajectories)
         tries = teacher.tries if teacher is not None else 0
         self.counts["teacher"] = sum(t.tries for t in result.trajectories.values()) + tries * failed
@@ -734,6 +807,75 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             result.print()
         if self.args.should_save:
             result.stats.save(Path(self.args.output_dir) / FILTER_FILE)
+
+    def _fit(self, trajectories: Mapping[str, TeacherTrajectory]) -> dict[str, TeacherTrajectory]:
+        """The teacher trajectories as TRL completions of at most ``max_completion_length``
+        tokens, ending where a completion ends.
+
+        - One longer than ``max_completion_length`` is cut there, tokens, log-probs and text
+          (its reward is then the cut text's, as with the verl plug-in's ``response_length``):
+          it is a truncated completion, as one TRL cuts there.
+        - One that does not end in an eos or stop id, with room left, gets the tokenizer's eos
+          appended when the teacher is the deterministic ``oracle``: it writes its trace and
+          ends with probability 1, so the eos's log pi_gt is 0 like its other tokens' (as the
+          verl plug-in's ``field:`` teacher). Another teacher's log-prob of that eos is not
+          known, and its trajectory is left as it is.
+
+        ConfigError under ``mask_truncated_completions``, which would mask a trajectory left
+        without an end out of the loss (TRL masks every row whose last id is no eos).
+        """
+        limit, teacher = self.args.max_completion_length, self.pvpo.teacher
+        ends, eos = set(self.eos_token_ids), self._tokenizer.eos_token_id
+        fitted: dict[str, TeacherTrajectory] = {}
+        full, open_ends, longest = 0, 0, 0
+        for pid, traj in trajectories.items():
+            n = len(traj)
+            longest = max(longest, n)
+            if n > limit:
+                tokens = traj.token_ids[:limit]
+                text = self._tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+                traj = replace(
+                    traj, token_ids=tokens, logprobs=traj.logprobs[:limit],
+                    loss_mask=traj.loss_mask[:limit], text=text,
+                    reward=self.task.reward(text, self.records_by_id[pid]),
+                )  # fmt: skip
+                _log.warning(
+                    "teacher trajectory of %s: %d tokens cut at max_completion_length=%d",
+                    pid,
+                    n,
+                    limit,
+                )
+            if int(traj.token_ids[-1]) in ends:
+                pass
+            elif len(traj) >= limit:
+                full += 1
+            elif teacher == "oracle" and eos is not None:
+                traj = replace(
+                    traj, token_ids=torch.cat([traj.token_ids, traj.token_ids.new_tensor([eos])]),
+                    logprobs=torch.cat([traj.logprobs, traj.logprobs.new_zeros(1)]),
+                    loss_mask=torch.cat([traj.loss_mask, traj.loss_mask.new_ones(1)]),
+                )  # fmt: skip
+            else:
+                open_ends += 1
+            fitted[pid] = traj
+        if self.args.mask_truncated_completions and (full or open_ends):
+            why = []
+            if full:
+                why.append(
+                    f"{full} fill max_completion_length={limit} (the longest has {longest} "
+                    f"tokens; raise max_completion_length to {longest + 1})"
+                )
+            if open_ends:
+                why.append(
+                    f"{open_ends} come from pvpo.teacher={teacher!r}, whose log-prob of an "
+                    "appended eos is unknown (use pvpo.teacher='oracle')"
+                )
+            raise ConfigError(
+                f"mask_truncated_completions=True would mask {full + open_ends} teacher "
+                f"trajectories out of the loss, as they end in no eos or stop id: "
+                f"{'; '.join(why)}; or set mask_truncated_completions=False"
+            )
+        return fitted
 
     def _before_batch(self, ids: Sequence[str]) -> dict[str, float]:
         """The refresh when due (:meth:`refresh`), then first-use presampling of the batch's
@@ -765,17 +907,19 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
 
     def _refresh_if_due(self) -> dict[str, float]:
         """:meth:`refresh` when a multiple of ``pvpo.refresh_every`` optimizer steps lies between
-        the last refresh (0: none) and ``state.global_step``; its metrics, else none."""
+        the last refresh (0: none) and ``state.global_step``, keyed by the last such multiple,
+        the step it was due at (not the batch's step, which a resume mid-generation-batch
+        moves); its metrics, else none."""
         every, step = self.pvpo.refresh_every, self.state.global_step
         last = self.last_refresh["step"] if self.last_refresh else 0
         if not every or step // every <= last // every:
             return {}
-        return self.refresh(step)
+        return self.refresh(every * (step // every))
 
     def refresh(self, step: int) -> dict[str, float]:
-        """Re-estimate the anchors of the training prompts after ``step`` optimizer steps
-        (``pvpo.refresh_mode``) with ``anchors.presample.refresh_anchors``; they serve from
-        now on. ``policy`` mode samples a frozen copy of the current policy, keyed by its
+        """Re-estimate the anchors of the training prompts for the refresh due after ``step``
+        optimizer steps (``pvpo.refresh_mode``; ``step`` keys it) with
+        ``anchors.presample.refresh_anchors``; they serve from now on. ``policy`` mode samples a frozen copy of the current policy, keyed by its
         weight fingerprint; rows already stored under the refresh key (a refresh repeated by
         a resumed run) are reused, nothing sampled. Metrics ``pvpo/refresh_sampled`` and
         ``pvpo/refresh_seconds``."""

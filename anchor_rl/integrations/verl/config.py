@@ -22,7 +22,7 @@ from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
 from anchor_rl.trainer.config import TrainConfig, _changed, _no_effect
 from anchor_rl.trainer.critic_config import CriticConfig
 from anchor_rl.trainer.section import Section
-from anchor_rl.trainer.v05_config import V05Config
+from anchor_rl.trainer.v05_config import V05Config, check_reward_range
 
 __all__ = [
     "MethodConfig",
@@ -122,6 +122,11 @@ class V05Section(Section):
     budget: Literal["fixed", "adaptive"] = "adaptive"
     """`fixed`: rollout.n per prompt. `adaptive`: top-ups where the rollouts reject the prior.
     Either way rollout.n must not exceed `k_max`."""
+
+    @field_validator("reward_range")
+    @classmethod
+    def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        return check_reward_range(value)
 
     @field_validator("prior")
     @classmethod
