@@ -130,6 +130,23 @@ def test_other_keys_find_nothing(store):
     }  # equal key, same rows
 
 
+def test_a_fresh_lora_is_fingerprinted_as_its_base_model(tokenizer):
+    """A LoRA whose B factors are zero samples as its base model, so it shares the base's
+    anchors; once an adapter moves, it is another model."""
+    import peft  # in the dev extra (anchor-rl[verl])
+
+    base = build_model("tiny", tokenizer, seed=0)
+    wrapped = peft.get_peft_model(
+        build_model("tiny", tokenizer, seed=0),
+        peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    assert any("lora_A" in name for name in wrapped.state_dict())
+    assert fingerprint_model(wrapped) == fingerprint_model(base)
+    with torch.no_grad():
+        next(p for n, p in wrapped.named_parameters() if "lora_B" in n)[0, 0] = 0.5
+    assert fingerprint_model(wrapped) != fingerprint_model(base)
+
+
 def test_fingerprints_follow_content(tmp_path, tokenizer):
     m0, m0_again, m1 = (build_model("tiny", tokenizer, seed=s) for s in (0, 0, 1))
     assert fingerprint_model(m0) == fingerprint_model(m0_again) != fingerprint_model(m1)
