@@ -13,7 +13,7 @@ import typer
 
 if TYPE_CHECKING:
     from anchor_rl.anchors.keys import AnchorKey
-    from anchor_rl.anchors.store import AnchorStat
+    from anchor_rl.anchors.store import AnchorStat, AnchorStore
     from anchor_rl.anchors.teachers import Teacher
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks.base import Record, Task
@@ -363,6 +363,22 @@ def presample_command(
     )
 
 
+def _full_digest(store: AnchorStore, prefix: str) -> str:
+    """The key digest of ``store`` that ``prefix`` starts (the messages print 12 characters);
+    a usage error naming the store's keys when none or several do."""
+    registered = store.keys()  # a list of the keys' rows, not a mapping's keys
+    digests = [row["digest"] for row in registered]
+    found = [d for d in digests if d.startswith(prefix)]
+    if len(found) == 1:
+        return found[0]
+    what = "no key" if not found else f"{len(found)} keys"
+    raise typer.BadParameter(
+        f"{what} of {store.path} start with {prefix!r}; its keys: "
+        f"{', '.join(d[:12] for d in digests) or 'none'} (anchor-rl anchors keys lists them)",
+        param_hint="--key",
+    )
+
+
 def _check_export_path(out: Path, option: str = "--export") -> None:
     """A usage error naming ``out`` unless anchors can be exported there: a ``.jsonl`` or
     ``.parquet`` file name, not a directory's."""
@@ -379,7 +395,10 @@ def export_command(
     table: Annotated[
         str, typer.Option(help="stats (anchors) or trajectories (teacher).")
     ] = "stats",
-    key: Annotated[str | None, typer.Option(help="Only rows under this key digest.")] = None,
+    key: Annotated[
+        str | None,
+        typer.Option(help="Only rows under this key digest (or a unique prefix of it)."),
+    ] = None,
 ) -> None:
     """Export anchors or teacher trajectories for inspection, joined with their key's fields."""
     from anchor_rl.anchors.store import AnchorStore
@@ -390,6 +409,8 @@ def export_command(
         )
     _check_export_path(out, "--out")
     with AnchorStore(db) as store:
+        if key is not None:
+            key = _full_digest(store, key)
         rows = store.export(out, table=table, key=key)  # type: ignore[arg-type]
     typer.echo(f"{rows} rows -> {out}")
 

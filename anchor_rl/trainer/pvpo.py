@@ -439,6 +439,16 @@ class PVPO(Component):
                 "without them"
             )
         self.anchor_key, self.anchors = digest, anchors
+        m = self.cfg.pvpo.m
+        if over := [stat.n for stat in anchors.values() if stat.n > m]:
+            _log.warning(
+                "%d of %d training prompts' anchors rest on more than pvpo.m = %d rollouts "
+                "(up to %d) in %s: a run with a larger pvpo.m topped them up, and this run "
+                "uses every stored rollout, so its anchors, group sampling and "
+                "rollouts/presample differ from a fresh store's (and, on resume, from the "
+                "run's own before); give each experiment its own pvpo.store to keep them apart",
+                len(over), len(anchors), m, max(over), store.path,
+            )  # fmt: skip
 
     def training_records(self, records: list[Record]) -> list[Record]:
         return self.records

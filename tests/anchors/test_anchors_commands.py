@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
@@ -43,6 +44,25 @@ def test_export_and_keys(tmp_path):
     assert out.exit_code != 0 and ".jsonl or .parquet" in out.output
     out = runner.invoke(app, ["anchors", "keys", str(db)])
     assert out.exit_code == 0 and KEY.digest[:8] in out.output and "presample" in out.output
+
+
+def test_export_takes_a_key_by_its_printed_prefix(tmp_path):
+    db = tmp_path / "a.db"
+    other = KEY.replace(task="other")
+    with AnchorStore(db) as store:
+        store.add_rollouts(KEY, ["x"], [[1.0]], [[1]])
+        store.add_rollouts(other, ["x", "y"], [[0.0], [1.0]], [[0], [1]])
+    out = tmp_path / "k.jsonl"
+    done = runner.invoke(
+        app, ["anchors", "export", str(db), "-o", str(out), "--key", KEY.digest[:12]]
+    )
+    assert done.exit_code == 0 and done.output.startswith("1 rows"), done.output
+    assert json.loads(out.read_text())["prompt_id"] == "x"
+    bad = runner.invoke(app, ["anchors", "export", str(db), "-o", str(out), "--key", "zz"])
+    assert bad.exit_code == 2 and "no key of" in bad.output and KEY.digest[:12] in bad.output
+    common = os.path.commonprefix([KEY.digest, other.digest])
+    both = runner.invoke(app, ["anchors", "export", str(db), "-o", str(out), "--key", common])
+    assert both.exit_code == 2 and "2 keys of" in both.output
 
 
 def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatch):

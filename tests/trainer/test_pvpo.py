@@ -288,6 +288,21 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
     assert pvpo.anchor_key == straight.components["pvpo"].anchor_key
 
 
+def test_anchors_topped_up_by_a_larger_m_are_announced(parity, tiny, tmp_path, caplog) -> None:
+    """The store holds sufficient statistics, so a run with pvpo.m = 2 after one with 3 on
+    the same store uses all three rollouts of each prompt: it says so."""
+    extra = ("pvpo.teacher=none", "pvpo.keep_unsolved=true")
+    start_run(load_config("pvpo", _overrides(tiny, tmp_path, *extra, "pvpo.m=3")), tmp_path / "a")
+    assert "rest on more than" not in caplog.text
+    run = start_run(load_config("pvpo", _overrides(tiny, tmp_path, *extra)), tmp_path / "b")
+    pvpo = run.components["pvpo"]
+    assert {stat.n for stat in pvpo.anchors.values()} == {3}
+    n = len(pvpo.records)
+    assert f"{n} of {n} training prompts' anchors rest on more than pvpo.m = 2 rollouts" in (
+        caplog.text
+    )
+
+
 def test_each_seed_draws_its_own_anchors_unless_presample_seed_is_set(
     parity, tiny, tmp_path, monkeypatch
 ) -> None:
