@@ -261,14 +261,20 @@ def _distribution_table(stats: dict[str, AnchorStat], title: str) -> Any:
     return table
 
 
-def _key_note(store: Any, key: AnchorKey, ids: list[str]) -> str:
-    """Whether the store is reused under ``key`` and, when nothing is there, why: other keys
-    of the same model, tokenizer and task, with the sampling settings that differ."""
+def _key_note(store: Any, key: AnchorKey, ids: list[str], m: int) -> str:
+    """Whether the store is reused under ``key`` (and how many of its prompts hold fewer than
+    ``m`` rollouts, to be topped up) and, when nothing is there, why: other keys of the same
+    model, tokenizer and task, with the sampling settings that differ."""
     import json
 
-    done = len(store.get_anchors(key, ids))
-    if done:
-        return f"reusing the anchors of {done} of {len(ids)} prompts already under this key"
+    stored = store.get_anchors(key, ids)
+    if stored:
+        short = sum(1 for stat in stored.values() if stat.n < m)
+        top_up = f", {short} of them to be topped up to M = {m}" if short else ""
+        return (
+            f"reusing the anchors of {len(stored)} of {len(ids)} prompts already under this "
+            f"key{top_up}"
+        )
     ours, registered = key.to_dict(), store.keys()
     others = [
         k for k in registered
@@ -347,7 +353,7 @@ def presample_command(
     )
     sampler = RolloutSampler(s.engine, s.task, s.params)
     with AnchorStore(s.db) as store:
-        console.print(_key_note(store, s.key, [r.id for r in s.records]))
+        console.print(_key_note(store, s.key, [r.id for r in s.records], m))
         result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
         stats = store.get_anchors(s.key, [r.id for r in s.records])
         if export is not None:
@@ -356,10 +362,13 @@ def presample_command(
     mean = sum(st.mean for st in stats.values()) / max(len(stats), 1)
     console.print(
         f"sampled {result.rollouts} rollouts for {result.prompts_sampled} prompts "
-        f"({result.prompts_reused} already done); mean anchor {mean:.4f}"
+        f"({result.prompts_reused} already held M = {m} or more); mean anchor {mean:.4f}"
     )
+    ns = sorted({st.n for st in stats.values()})
+    spread = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+    held = f"M = {m}" if ns in ([], [m]) else f"M = {m}; stored n = {spread}"
     console.print(
-        _distribution_table(stats, f"reference accuracy over {len(stats)} prompts (M = {m})")
+        _distribution_table(stats, f"reference accuracy over {len(stats)} prompts ({held})")
     )
 
 

@@ -82,12 +82,11 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatc
     args = [*common, "--m", "2", "--batch-size", "2"]
     first = runner.invoke(app, ["presample", *args, "--export", str(tmp_path / "a.parquet")])
     assert first.exit_code == 0, first.output
-    assert "sampled 8 rollouts for 4 prompts (0 already done)" in first.output
+    assert "sampled 8 rollouts for 4 prompts (0 already held M = 2 or more)" in first.output
     assert pq.read_table(tmp_path / "a.parquet").num_rows == 4
     again = runner.invoke(app, ["presample", *args])
-    assert (
-        again.exit_code == 0 and "sampled 0 rollouts for 0 prompts (4 already done)" in again.output
-    )
+    assert again.exit_code == 0
+    assert "sampled 0 rollouts for 0 prompts (4 already held M = 2 or more)" in again.output
     other = runner.invoke(app, ["presample", *args, "--temperature", "0.5"])
     assert (
         other.exit_code == 0 and "sampled 8 rollouts" in other.output
@@ -144,3 +143,8 @@ def test_presample_defaults_are_the_presets_so_training_finds_the_anchors(tmp_pa
     assert f"other sampling settings: {key.digest[:12]} (max_new_tokens 80)" in text
     again = runner.invoke(app, args)
     assert "reusing the anchors of 3 of 3 prompts already under this key" in again.output
+    more = " ".join(runner.invoke(app, [*args[:-4], "--m", "3", "--db", str(db)]).output.split())
+    assert "3 of 3 prompts already under this key, 3 of them to be topped up to M = 3" in more
+    assert "sampled 3 rollouts for 3 prompts (0 already held M = 3 or more)" in more
+    fewer = " ".join(runner.invoke(app, args).output.split())  # M = 2 on rows of 3
+    assert "(M = 2; stored n = 3)" in fewer
