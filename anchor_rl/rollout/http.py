@@ -707,7 +707,8 @@ def connect(
     ``GET /v1/tokenizer``; other servers need the tokenizer passed). ``options`` go to
     :class:`HTTPEngine`.
     """
-    url, model = parse_http_spec(spec) if spec.startswith("http:") else (base_url(spec), None)
+    bare = spec.startswith(("http://", "https://"))  # "http://..." starts with "http:" too
+    url, model = (base_url(spec), None) if bare else parse_http_spec(spec)
     model = options.pop("model", None) or model
     if tokenizer is None:
         client = Client(

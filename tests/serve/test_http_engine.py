@@ -109,6 +109,8 @@ def test_an_unreachable_server_is_a_clear_error(tokenizer) -> None:
         engine.rollout(group_requests(["q"], [0], 1, "x"), SamplingParams(max_new_tokens=2))
     with pytest.raises(ServerUnreachableError, match=r"/v1/tokenizer"):
         connect(f"http:{url}/v1", retries=0)  # the CLI's http:URL asks for the tokenizer first
+    for bare in (url, url.replace("http://", "https://")):  # a bare URL too, as documented
+        assert connect(bare, tokenizer, retries=0).url == bare + "/v1"
 
 
 class Flaky:
