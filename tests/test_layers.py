@@ -12,13 +12,14 @@ import anchor_rl
 ROOT = Path(anchor_rl.__file__).parent
 
 LAYERS = [
-    {"batch", "errors", "registry", "progress", "allocator", "algos"},
+    {"batch", "errors", "registry", "progress", "allocator", "paths", "section", "algos"},
     {"rewards"},
     {"tools"},
     {"tasks"},
     {"models"},
     {"rollout"},
     {"anchors", "cluster", "serve"},
+    {"methods"},
     {"trainer"},
     {"bench"},
     {"integrations"},

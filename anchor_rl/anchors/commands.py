@@ -127,7 +127,7 @@ def _setup(
     from anchor_rl.anchors.presample import presample_key, task_params
     from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.commands import parse_task_kwargs
-    from anchor_rl.models.sft import cache_root
+    from anchor_rl.paths import cache_root
     from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.spec import frozen, load_spec
     from anchor_rl.rollout.types import SamplingParams

@@ -31,6 +31,7 @@ from anchor_rl.errors import ConfigError
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer, encode_completion, encode_prompt
+from anchor_rl.paths import cache_root
 from anchor_rl.progress import Progress
 
 if TYPE_CHECKING:
@@ -220,11 +221,6 @@ def default_config(
     scoring = getattr(TASKS.get(task), "scoring_kwargs", frozenset())
     values["task_kwargs"] = {k: v for k, v in values["task_kwargs"].items() if k not in scoring}
     return SFTConfig(task=task, size=size, **values)
-
-
-def cache_root() -> Path:
-    """``$ANCHOR_RL_CACHE`` or ``~/.cache/anchor-rl``."""
-    return Path(os.environ.get("ANCHOR_RL_CACHE", Path.home() / ".cache" / "anchor-rl"))
 
 
 def sft_dir(cfg: SFTConfig, out: str | Path | None = None) -> Path:

@@ -31,10 +31,10 @@ from pydantic import (
 )
 
 from anchor_rl.errors import AnchorRLError, ConfigError
-from anchor_rl.trainer.critic_config import CriticConfig
-from anchor_rl.trainer.pvpo_config import PVPOConfig
-from anchor_rl.trainer.section import Section
-from anchor_rl.trainer.v05_config import V05Config
+from anchor_rl.methods.critic_config import CriticConfig
+from anchor_rl.methods.pvpo_config import PVPOConfig
+from anchor_rl.methods.v05_config import V05Config
+from anchor_rl.section import Section
 
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"

@@ -5,7 +5,7 @@ Shapes: B responses, T response tokens.
 
 The run has a critic (the :class:`PPOCritic` component) when its estimator reads ``values``
 (``advantage.estimator = "gae"``); settings in the ``critic`` section
-(:class:`anchor_rl.trainer.critic_config.CriticConfig`). One step of the critic, in stage 5
+(:class:`anchor_rl.methods.critic_config.CriticConfig`). One step of the critic, in stage 5
 of the loop::
 
     values   V(s_t) of the batch under the critic, no gradient       advantage_inputs
@@ -48,9 +48,9 @@ from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout, quiet_transformers
-from anchor_rl.models.sft import cache_root
 from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
+from anchor_rl.paths import cache_root
 from anchor_rl.rollout.engine import Engine
 from anchor_rl.tasks.base import Task
 from anchor_rl.trainer.collect import generate, score

@@ -63,7 +63,8 @@ from anchor_rl.anchors.teachers import (
     teacher_key,
 )
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.models.sft import cache_root
+from anchor_rl.methods.pvpo_config import PVPOConfig
+from anchor_rl.paths import cache_root
 from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
@@ -71,7 +72,6 @@ from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import Scored, sampling_params, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.pvpo_config import PVPOConfig
 from anchor_rl.trainer.update import token_mean
 
 PRESAMPLE_SEED = 0

@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 from anchor_rl.algos import v05 as v05_math
 from anchor_rl.anchors.priors import AnchorPrior, HistoryPrior, KNNPrior, Prior, prompt_embeddings
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.rollout.engine import Engine
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import (
@@ -58,7 +59,6 @@ from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors, write_presample_report
 from anchor_rl.trainer.timing import Timer
-from anchor_rl.trainer.v05_config import V05Config
 
 PAPER_COST = 0.0039
 """The V0.5 paper's budget cost per rollout, for +-1 rewards."""

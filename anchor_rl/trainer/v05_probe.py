@@ -39,6 +39,7 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors import KNNPrior, evaluate_prior, prior_metrics
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.rollout.engine import group_requests
 from anchor_rl.tasks.base import Record
 from anchor_rl.trainer.collect import sampling_params, score
@@ -52,7 +53,6 @@ from anchor_rl.trainer.v05 import (
     uses_anchors,
     uses_embeddings,
 )
-from anchor_rl.trainer.v05_config import V05Config
 
 PROBE_FILE = "probe.jsonl"
 

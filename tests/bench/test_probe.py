@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from anchor_rl.bench.probe import method_table, prior_table, probe_markdown
 from anchor_rl.cli import app
-from anchor_rl.trainer.v05_config import V05Config
+from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.trainer.v05_probe import adaptive_counts, baseline_errors, probe_due, probe_records
 
 # cost 0: any positive gain buys a rollout, so a rejected prior gets rollouts up to k_max

@@ -10,6 +10,7 @@ import torch
 import anchor_rl.tasks
 from anchor_rl.models import sft
 from anchor_rl.models.tokenizer import build_tokenizer
+from anchor_rl.paths import cache_root
 from anchor_rl.tasks.base import Record, Task
 from anchor_rl.tools.parsing import format_result
 
@@ -173,13 +174,11 @@ def test_a_teacher_spec_loads_the_cached_teacher_sft(copy_task, monkeypatch):
     )
     monkeypatch.setitem(sft.TEACHER_DEFAULTS, "copy", {"steps": 2})
     model, _ = load_spec("teacher:tiny", "copy", {}, seed=0, device="cpu", progress=False)
-    stored = json.loads((sft.cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
+    stored = json.loads((cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
     assert (stored["steps"], stored["data_kwargs"], stored["batch_size"]) == (2, {}, 2)
     assert model.config.hidden_size == 128  # the tiny size
     load_spec("sft:tiny", "copy", {}, seed=0, device="cpu", progress=False)
-    assert (
-        len(list((sft.cache_root() / "sft").glob("*/sft_config.json"))) == 2
-    )  # not the same model
+    assert len(list((cache_root() / "sft").glob("*/sft_config.json"))) == 2  # not the same model
 
 
 def test_sft_cli_trains_the_teacher(copy_task, monkeypatch):
@@ -194,7 +193,7 @@ def test_sft_cli_trains_the_teacher(copy_task, monkeypatch):
     assert (
         "SFT copy/tiny teacher: steps=6" in result.output
     )  # no teacher entry: 2 x the reference's
-    stored = json.loads((sft.cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
+    stored = json.loads((cache_root() / "sft").glob("*/sft_config.json").__next__().read_text())
     assert (stored["steps"], stored["data_kwargs"]) == (6, {})
 
 
@@ -267,7 +266,7 @@ def test_an_sft_spec_whose_default_stops_by_classes_samples_through_the_validato
     monkeypatch.setattr(evaluate, "class_shares", counted)
     load_spec("sft:tiny", "copy", {}, seed=0, device="cpu", progress=False)
     assert calls == [(4, 2)] * 3  # one validation evaluation a step, on the 4 held-out prompts
-    (stored,) = (sft.cache_root() / "sft").glob("*/class_stop.json")
+    (stored,) = (cache_root() / "sft").glob("*/class_stop.json")
     assert len(json.loads(stored.read_text())["evaluations"]) == 3
     # the quickstart's SFT phase asks for the same directory: cached, nothing sampled again
     assert sft_model_dir("sft:tiny", "copy", {}, progress=False) == stored.parent

@@ -172,7 +172,7 @@ def test_length_adaptive_lambda_is_used_per_response() -> None:
 
 def test_lam_min_at_or_above_the_upper_clamp_is_refused_by_the_config() -> None:
     from anchor_rl.algos.gae import LAMBDA_MAX
-    from anchor_rl.trainer.critic_config import LAMBDA_MAX as CONFIG_MAX
+    from anchor_rl.methods.critic_config import LAMBDA_MAX as CONFIG_MAX
 
     assert CONFIG_MAX == LAMBDA_MAX  # written out twice (the config imports no torch)
     with pytest.raises(ConfigError, match="critic.lam_min"):

@@ -307,8 +307,8 @@ def test_sigma2_prior_budget_tops_up_where_the_test_rejects_a_prior_at_the_bound
     """sigma2=prior: the variance at V = 0 is 0, so the test rejects any disagreement; the
     budget must not read that 0 as noiseless rollouts (no top-up, MSE 0) but take the worst
     case there. An accepted prior keeps its variance, and asks for nothing."""
+    from anchor_rl.methods.v05_config import V05Config
     from anchor_rl.trainer.v05 import extra_counts, fuse_groups
-    from anchor_rl.trainer.v05_config import V05Config
 
     vc = V05Config(sigma2="prior")
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0] + [1.0, 0.0, 1.0, 0.0])

@@ -33,8 +33,8 @@ from anchor_rl.bench.trl_compare import _initial_policy, grpo_config_kwargs
 from anchor_rl.errors import ConfigError
 from anchor_rl.integrations.trl.data import task_dataset, task_reward_function
 from anchor_rl.integrations.trl.trainers import PVPOGRPOTrainer, section
+from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.trainer.config import TrainConfig, parse_override
-from anchor_rl.trainer.pvpo_config import PVPOConfig
 
 __all__ = ["FIGURES", "TRL_PVPO_SUITE", "figures", "run_trl_pvpo_suite", "summarise", "train_one"]
 

@@ -75,6 +75,8 @@ from anchor_rl.integrations.trl.data import (
     task_dataset,
     task_reward_function,
 )
+from anchor_rl.methods.pvpo_config import PVPOConfig
+from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
@@ -89,7 +91,6 @@ from anchor_rl.trainer.pvpo import (
     pvpo_teacher,
     store_path,
 )
-from anchor_rl.trainer.pvpo_config import PVPOConfig
 from anchor_rl.trainer.v05 import (
     build_prior,
     check_rewards,
@@ -99,7 +100,6 @@ from anchor_rl.trainer.v05 import (
     uses_anchors,
     uses_embeddings,
 )
-from anchor_rl.trainer.v05_config import V05Config
 
 __all__ = [
     "AnchoredGRPOTrainer",
@@ -657,7 +657,7 @@ def _check_layout(ids: Sequence[str], k: int) -> None:
 class PVPOGRPOTrainer(AnchoredGRPOTrainer):
     """TRL's GRPO with PVPO: advantages ``r - V_sta(prompt)``, group sampling, teacher rows.
 
-    pvpo: PVPO's knobs (``anchor_rl.trainer.pvpo_config.PVPOConfig`` or a mapping of its
+    pvpo: PVPO's knobs (``anchor_rl.methods.pvpo_config.PVPOConfig`` or a mapping of its
         fields): ``m`` reference rollouts per prompt, the anchor ``store`` (default
         ``$ANCHOR_RL_CACHE/anchors.db``, shared with ``anchor-rl presample`` and ``anchor-rl
         train``), the anchor seed ``presample_seed`` (part of the store key; None: 0, the
@@ -1059,7 +1059,7 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
     ``num_iterations`` and the accumulation; batches sampled from the same weights share one
     (:meth:`_learn`). The prior is saved in every TRL checkpoint and restored on resume.
 
-    v05: V0.5's knobs (``anchor_rl.trainer.v05_config.V05Config`` or a mapping of its
+    v05: V0.5's knobs (``anchor_rl.methods.v05_config.V05Config`` or a mapping of its
         fields). The probe (``v05.probe_*``) and ``v05.top_up_rounds`` are not offered.
     pvpo: presampling of the ``anchor`` prior's anchors (``m``, ``store``,
         ``presample_batch``, ``presample_seed``; every prompt is presampled at start); only

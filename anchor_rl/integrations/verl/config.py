@@ -2,8 +2,8 @@
 and the combinations of verl settings it refuses.
 
 The knobs keep anchor-rl's names and validation: V0.5's are checked by
-:class:`~anchor_rl.trainer.v05_config.V05Config`, VAPO's by
-:class:`~anchor_rl.trainer.critic_config.CriticConfig` (docs/v05.md, docs/vapo.md). The rest
+:class:`~anchor_rl.methods.v05_config.V05Config`, VAPO's by
+:class:`~anchor_rl.methods.critic_config.CriticConfig` (docs/v05.md, docs/vapo.md). The rest
 of a method's settings are verl's own (``actor_rollout_ref.rollout.n``, the clip range,
 ``trainer.critic_warmup`` for value pretraining, ...): the example config group
 (examples/verl/config/anchor_rl_method/) sets them per method.
@@ -19,10 +19,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
+from anchor_rl.methods.critic_config import CriticConfig
+from anchor_rl.methods.v05_config import V05Config, check_reward_range
+from anchor_rl.section import Section
 from anchor_rl.trainer.config import TrainConfig, _changed, _no_effect
-from anchor_rl.trainer.critic_config import CriticConfig
-from anchor_rl.trainer.section import Section
-from anchor_rl.trainer.v05_config import V05Config, check_reward_range
 
 __all__ = [
     "MethodConfig",

@@ -70,7 +70,7 @@ from anchor_rl.integrations.verl.rollout import (
     teacher_payload,
     top_up,
 )
-from anchor_rl.models.sft import cache_root
+from anchor_rl.paths import cache_root
 
 __all__ = ["AnchorRLTrainer", "Prepared", "prepare_method"]
 

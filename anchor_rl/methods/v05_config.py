@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from anchor_rl.trainer.section import Section
+from anchor_rl.section import Section
 
 PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
 

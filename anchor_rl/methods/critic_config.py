@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from anchor_rl.trainer.section import Section
+from anchor_rl.section import Section
 
 Lambda = Annotated[float, Field(ge=0, le=1)]
 LAMBDA_MAX = 1.0 - 1e-6

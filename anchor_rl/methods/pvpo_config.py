@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from anchor_rl.trainer.section import Section
+from anchor_rl.section import Section
 
 TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
 
