@@ -473,7 +473,8 @@ class OpenAITeacher:
         return request_seed("teacher", self.seed, record.id, attempt)
 
     def _rollout(self, requests: Sequence[Request]) -> RolloutBatch:
-        from anchor_rl.rollout.http import ServerUnreachableError, TokenMismatchError
+        from anchor_rl.rollout.http import TokenMismatchError
+        from anchor_rl.rollout.http_client import ServerUnreachableError
 
         try:
             return self.engine.rollout(

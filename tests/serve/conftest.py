@@ -12,7 +12,8 @@ import torch
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import load_policy, save_policy
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.serve.app import ModelServer, ServerThread, build_app
+from anchor_rl.serve.app import ServerThread, build_app
+from anchor_rl.serve.model import ModelServer
 
 THREADS = 1
 

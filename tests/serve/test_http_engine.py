@@ -18,16 +18,11 @@ from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import load_policy
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.engine import ENGINES, group_requests, make_engine
-from anchor_rl.rollout.http import (
-    HTTPEngine,
-    ServerError,
-    ServerTimeoutError,
-    ServerUnreachableError,
-    TokenMismatchError,
-    connect,
-)
+from anchor_rl.rollout.http import HTTPEngine, TokenMismatchError, connect
+from anchor_rl.rollout.http_client import ServerError, ServerTimeoutError, ServerUnreachableError
 from anchor_rl.rollout.types import SamplingParams
-from anchor_rl.serve.app import ModelServer, ServerThread, build_app
+from anchor_rl.serve.app import ServerThread, build_app
+from anchor_rl.serve.model import ModelServer
 from anchor_rl.trainer.config import ConfigError, load_config
 
 A = build_tokenizer().convert_tokens_to_ids("a")

@@ -19,7 +19,8 @@ from anchor_rl.models.loading import load_policy
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.engine import Request, make_engine, request_seed
 from anchor_rl.rollout.types import SamplingParams
-from anchor_rl.serve.app import ModelServer, ServerThread, build_app
+from anchor_rl.serve.app import ServerThread, build_app
+from anchor_rl.serve.model import ModelServer
 
 HI = [{"role": "user", "content": "hi"}]
 """A one-message chat."""
@@ -164,7 +165,7 @@ def test_edge_values_of_the_sampling_fields_sample_sensibly(served) -> None:
 def test_the_stop_cut_is_where_the_sampler_stopped_not_an_earlier_spelling() -> None:
     """With special tokens skipped, the text around one joins up ("_" <unk> "P" reads "_P");
     the cut must still be at the stop the last tokens completed."""
-    from anchor_rl.serve.app import _cut_at_stop
+    from anchor_rl.serve.responses import _cut_at_stop
 
     tok = build_tokenizer()
     ids = tok.encode("v_", add_special_tokens=False) + [tok.unk_token_id]
@@ -175,7 +176,7 @@ def test_the_stop_cut_is_where_the_sampler_stopped_not_an_earlier_spelling() -> 
 
 
 def test_jobs_batch_together_only_with_their_stops_in_the_same_order() -> None:
-    from anchor_rl.serve.app import Job
+    from anchor_rl.serve.protocol import Job
 
     def job(stop: tuple[str, ...]) -> Job:
         return Job([[5]], [4], [1], [0], 1.0, 1.0, stop)
@@ -204,7 +205,7 @@ def test_chat_completions_render_the_chat_template(served, tiny_dir) -> None:
 def test_chat_fields_render_the_prompt_as_vllm_does(served, monkeypatch) -> None:
     """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
     reach the template (ignoring them would sample from another prompt)."""
-    from anchor_rl.serve.app import parse_chat
+    from anchor_rl.serve.protocol import parse_chat
 
     server = served[1]
     tok = server.tokenizer
@@ -439,7 +440,8 @@ def test_an_answer_names_the_weights_that_sampled_it_even_after_a_reload(
 ) -> None:
     """``system_fingerprint`` is the revision stamped on the job when its batch ran, not the
     server's revision when the answer is written (a reload may land in between)."""
-    from anchor_rl.serve.app import completion_body, parse_completion
+    from anchor_rl.serve.protocol import parse_completion
+    from anchor_rl.serve.responses import completion_body
 
     model, tokenizer = load_policy(tiny_dir)
     server = ModelServer(model, tokenizer, "tiny")
@@ -474,7 +476,8 @@ def test_weights_with_nan_are_refused_naming_the_tensor(served, tmp_path) -> Non
 def test_non_finite_logprobs_are_null_in_the_json_answer(served) -> None:
     """Not a 500 from the JSON encoder (which HTTP clients would retry)."""
     from anchor_rl.rollout.sampling import Turn
-    from anchor_rl.serve.app import chat_body, completion_body, parse_chat, parse_completion
+    from anchor_rl.serve.protocol import parse_chat, parse_completion
+    from anchor_rl.serve.responses import chat_body, completion_body
 
     server = served[1]
     turn = Turn(tokens=[88, 89], logprobs=[float("nan"), float("-inf")], stop=None)
@@ -504,7 +507,7 @@ def byte_level_tokenizer():
 
 @pytest.mark.parametrize("which", ["built-in", "byte-level"])
 def test_text_offsets_are_where_each_token_starts_in_the_text(which) -> None:
-    from anchor_rl.serve.app import text_offsets
+    from anchor_rl.serve.responses import text_offsets
 
     tok = build_tokenizer() if which == "built-in" else byte_level_tokenizer()
     text = "hello café — the € test, naïve world" if which == "byte-level" else "12+7=19 ok"
