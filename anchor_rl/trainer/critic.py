@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,12 +43,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from anchor_rl.algos.advantages import masked_whiten
-from anchor_rl.algos.gae import gae, length_adaptive_lambda
 from anchor_rl.batch import RolloutBatch, minibatches
+from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout, quiet_transformers
-from anchor_rl.models.value_metrics import advantage_stats_by_length, value_metrics
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
 from anchor_rl.paths import cache_root
 from anchor_rl.rollout.engine import Engine
@@ -206,54 +204,6 @@ def critic_values(critic: Critic, batch: RolloutBatch, cfg: TrainConfig) -> Tens
     return critic.values(batch, micro_batch=cfg.optim.micro_batch_size).float().cpu()
 
 
-def policy_lambda(cfg: TrainConfig, mask: Tensor) -> Tensor:
-    """FloatTensor[B]: ``critic.policy_lam``, or VAPO's ``1 - 1/(alpha l)`` per response
-    (``l = mask.sum(-1)``, clamped to ``[lam_min, 1 - 1e-6]``) when it is ``adaptive``."""
-    cc = cfg.critic
-    if cc.policy_lam == "adaptive":
-        return length_adaptive_lambda(mask.sum(-1), cc.lam_alpha, cc.lam_min)
-    return torch.full((mask.shape[0],), float(cc.policy_lam))
-
-
-def critic_returns(
-    cfg: TrainConfig, token_rewards: Tensor, values: Tensor, advantages: Tensor, mask: Tensor
-) -> Tensor:
-    """The critic's regression targets ``[B, T]`` (decoupled GAE), 0 where ``mask`` is 0.
-
-    ``critic.lam = "policy"``: the returns of the policy's GAE, ``advantages + values``;
-    a number: GAE with that lambda on the same values and token rewards (``gamma =
-    advantage.gamma``). For lambda = 1 the values cancel out of the returns (the
-    discounted reward-to-go); leaving them out keeps those returns exact, so equal
-    outcomes give equal returns (explained variance NaN, not float noise divided by float
-    noise).
-
-    Args:
-        token_rewards, values, advantages (the policy's, before whitening), mask: ``[B, T]``.
-    """
-    lam = cfg.critic.lam
-    if lam == "policy":
-        return torch.where(mask > 0, advantages + values, 0)
-    lam_critic = float(lam)
-    bootstrap = values if lam_critic < 1 else torch.zeros_like(values)
-    return gae(token_rewards, bootstrap, mask, cfg.advantage.gamma, lam_critic)[1]
-
-
-def critic_targets(
-    cfg: TrainConfig, inputs: Mapping[str, Any], advantages: Tensor
-) -> tuple[Tensor, Tensor]:
-    """``(advantages, returns)`` ``[B, T]`` from the GAE estimator's advantages: the policy's
-    (whitened over the batch's policy tokens when ``critic.whiten``, 0 where the mask is 0)
-    and the critic's regression targets (:func:`critic_returns`).
-
-    ``inputs`` are the step's estimator inputs (``mask``, ``token_rewards``, ``values``).
-    """
-    mask, values = inputs["mask"], inputs["values"]
-    returns = critic_returns(cfg, inputs["token_rewards"], values, advantages, mask)
-    if cfg.critic.whiten:
-        advantages = masked_whiten(advantages, mask) * mask
-    return advantages, returns
-
-
 def critic_update(
     critic: Critic,
     optimizer: torch.optim.Optimizer,
@@ -299,32 +249,6 @@ def critic_update(
     }
 
 
-def critic_metrics(
-    values: Tensor,
-    returns: Tensor,
-    advantages: Tensor,
-    policy_lam: Tensor,
-    mask: Tensor,
-    rewards: Tensor,
-) -> dict[str, float]:
-    """Diagnostics of the values the step's advantages were built on (before the update).
-
-    ``critic/value_mse``, ``critic/explained_variance`` (of the returns by the values, NaN
-    when every return is equal), ``critic/first_token_error`` (mean ``|V(s_0) - r|``),
-    ``critic/value_mean``, ``critic/return_mean``; ``critic/policy_lam`` (mean lambda of
-    the responses' advantages); and ``advantage/len_q{0..3}/{n_seq,length,mean,std}``: the
-    advantages by response-length quartile.
-    """
-    lengths = mask.sum(-1)
-    nonempty = lengths > 0
-    lam = policy_lam[nonempty].mean().item() if bool(nonempty.any()) else math.nan
-    return {
-        **value_metrics(values, returns, mask, rewards, prefix="critic"),
-        "critic/policy_lam": lam,
-        **advantage_stats_by_length(advantages, mask, prefix="advantage"),
-    }
-
-
 # --- the component ---------------------------------------------------------------------
 
 
@@ -362,14 +286,17 @@ class PPOCritic(Component):
         """``values[B, T]`` (the critic's, before its update) and the policy's ``lam[B]``."""
         assert step.mask is not None
         values = critic_values(self.critic, step.scored.batch, self.cfg)
-        return {"values": values, "lam": policy_lambda(self.cfg, step.mask)}
+        return {"values": values, "lam": policy_lambda(self.cfg.critic, step.mask)}
 
     def on_advantages(self, step: Step) -> None:
         """Returns with the critic's lambda and whitening (:func:`critic_targets`), the metrics
         of the values the advantages were built on, then the critic's update."""
         inputs, mask = step.inputs, step.inputs["mask"]
         assert step.advantages is not None
-        step.advantages, returns = critic_targets(self.cfg, inputs, step.advantages)
+        cfg = self.cfg
+        step.advantages, returns = critic_targets(
+            cfg.critic, cfg.advantage.gamma, inputs, step.advantages
+        )
         values = inputs["values"]
         step.metrics |= critic_metrics(
             values, returns, step.advantages, inputs["lam"], mask, step.scored.rewards

@@ -1,7 +1,8 @@
-"""PVPO in the trainer (arXiv 2508.21104): static anchors, group sampling, teacher rows, refresh.
+"""PVPO in the trainer: the :class:`PVPO` component over :mod:`anchor_rl.methods.pvpo`.
 
-The data side lives in :mod:`anchor_rl.anchors` (docs/pvpo.md); this module makes it a
-method component of a run (:class:`PVPO`). Shapes: P prompts, B responses, T response tokens.
+The method's decisions (anchor seed, presampling walk, group sampling, teacher rows,
+refresh) live in :mod:`anchor_rl.methods.pvpo`, shared with the TRL and verl plug-ins; this
+module connects them to a run. Shapes: P prompts, B responses, T response tokens.
 
     set-up      presample_anchors  presample the reference M times per training prompt into the
                                    anchor store (rows under the same key are reused): the
@@ -30,42 +31,48 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from anchor_rl.anchors.filter import FilterResult, group_filter
+from anchor_rl.anchors.filter import FilterResult
 from anchor_rl.anchors.keys import AnchorKey, fingerprint_model, task_identity
 from anchor_rl.anchors.presample import (
-    PresampleResult,
     RolloutSampler,
     Sampler,
-    presample,
     presample_key,
-    refresh_anchors,
     task_params,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
 from anchor_rl.anchors.teachers import (
-    TEACHER_SEED,
     Teacher,
-    make_teacher,
     teacher_batch,
     teacher_key,
 )
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.methods.pvpo_config import PVPOConfig
-from anchor_rl.paths import cache_root
-from anchor_rl.rollout.engine import close_engine, make_engine
+from anchor_rl.methods.pvpo import (
+    FILTER_FILE,
+    AnchorSet,
+    anchor_rollouts,
+    anchor_seed,
+    group_sampling,
+    pool_target,
+    presample_cost_note,
+    presample_set,
+    pvpo_teacher,
+    refresh_due,
+    teacher_rows,
+    trainable,
+    walk_order,
+)
+from anchor_rl.paths import store_path
+from anchor_rl.rollout.engine import close_engine
 from anchor_rl.rollout.spec import frozen, load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks.base import Record, Task
@@ -74,22 +81,8 @@ from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.update import token_mean
 
-PRESAMPLE_SEED = 0
-"""The default anchor seed of code that holds no run (integrations)."""
 _log = logging.getLogger(__name__)
-STORE_FILE = "anchors.db"
 RUN_FILE = "pvpo.json"
-FILTER_FILE = "pvpo_filter.json"
-
-
-def store_path(cfg: PVPOConfig) -> Path:
-    """``pvpo.store``, or the shared ``$ANCHOR_RL_CACHE/anchors.db``."""
-    return Path(cfg.store) if cfg.store else cache_root() / STORE_FILE
-
-
-def anchor_seed(cfg: TrainConfig) -> int:
-    """The seed of a run's anchor draw: ``pvpo.presample_seed``, else the run's ``seed``."""
-    return cfg.seed if cfg.pvpo.presample_seed is None else cfg.pvpo.presample_seed
 
 
 def presample_params(cfg: TrainConfig, task: Task) -> SamplingParams:
@@ -104,17 +97,12 @@ def reference_key(
     (the anchor seed among them), task."""
     task_id = task_identity(cfg.task, task, cfg.task_args)
     params = presample_params(cfg, task)
-    return presample_key(reference, tokenizer, params, task_id, seed=anchor_seed(cfg))
+    return presample_key(reference, tokenizer, params, task_id, seed=anchor_seed(cfg.pvpo))
 
 
 def batch_anchors(anchors: Mapping[str, AnchorStat], scored: Scored) -> Tensor:
     """FloatTensor[B]: the anchor ``V_sta`` of each response's prompt (``scored.records[group]``)."""
     return anchor_values(anchors, [r.id for r in scored.records])[scored.batch.group]
-
-
-def anchor_rollouts(anchors: Mapping[str, AnchorStat], records: Sequence[Record]) -> int:
-    """Rollouts the anchors of ``records`` rest on: the sum of their ``n``."""
-    return sum(anchors[r.id].n for r in records)
 
 
 def inject_teachers(
@@ -129,11 +117,10 @@ def inject_teachers(
     it is marked ``off_policy``, so the update takes its ratio against pi_gt. Its reward and
     verdict come from ``collect.score``, the task's verifier, like any rollout's.
     """
-    groups = [g for g, r in enumerate(scored.records) if r.id in trajectories]
+    batch = scored.batch
+    groups, rows = teacher_rows(batch.group, [r.id for r in scored.records], trajectories)
     if not groups:
         return scored
-    batch = scored.batch
-    rows = [int((batch.group == g).nonzero()[-1]) for g in groups]
     teacher = teacher_batch(
         [trajectories[scored.records[g].id] for g in groups],
         [batch.prompt_ids[r] for r in rows],
@@ -154,91 +141,6 @@ def inject_teachers(
     )
 
 
-def refresh_due(cfg: PVPOConfig, step: int) -> bool:
-    """Whether the anchors are re-estimated after ``step`` completed steps."""
-    return cfg.refresh_every > 0 and step > 0 and step % cfg.refresh_every == 0
-
-
-@dataclass
-class AnchorSet:
-    """The reference's presampled anchors on a run's training prompts.
-
-    key: the presample key (the reference, tokenizer, sampling settings and task).
-    sampler: the reference's sampler (presampling and ``reference``-mode refreshes).
-    records: the prompts presampled (a walk's prompts, in walk order).
-    stats: prompt id -> statistics of every presampled prompt.
-    result: what the presampling call did (rollouts sampled now, prompts reused).
-    target: the walk's target (:func:`presample_set`); None when every prompt was presampled.
-    """
-
-    store: AnchorStore
-    key: AnchorKey
-    params: SamplingParams
-    sampler: Sampler
-    records: list[Record]
-    stats: dict[str, AnchorStat]
-    result: PresampleResult
-    seconds: float
-    target: int | None = None
-
-    @property
-    def rollouts(self) -> int:
-        """Reference rollouts the anchors rest on (the cost, cached rows included)."""
-        return anchor_rollouts(self.stats, self.records)
-
-    def pool(self, kept: Sequence[Record]) -> list[Record]:
-        """The training prompts among ``kept`` (the records, or those group sampling kept, in
-        walk order): the first ``target`` of them, all without a target."""
-        return list(kept) if self.target is None else list(kept[: self.target])
-
-    def means(self) -> dict[str, float]:
-        """Prompt id -> the anchor ``V_sta`` (mean reward of the reference's rollouts)."""
-        return {pid: stat.mean for pid, stat in self.stats.items()}
-
-
-def presample_cost_note(prompts: int, m: int, draws: int, run_rollouts: int) -> str | None:
-    """A warning when presampling ``prompts`` x ``m`` reference rollouts covers prompts the
-    run never draws (more than its ``draws``) and costs more than its ``run_rollouts``
-    policy rollouts (None otherwise)."""
-    cost = prompts * m
-    if prompts <= draws or cost <= run_rollouts:
-        return None
-    return (
-        f"PVPO presamples {prompts:,} training prompts x M={m} = {cost:,} reference rollouts, "
-        f"{cost / max(run_rollouts, 1):.1f}x the {run_rollouts:,} policy rollouts of the run, "
-        f"which draws at most {draws:,} prompts (rows already in the store are reused); "
-        "pvpo.prompts=auto presamples only the prompts the run draws"
-    )
-
-
-def pool_target(cfg: TrainConfig, available: int) -> int | None:
-    """How many training prompts a run's presampling walk stops at (``pvpo.prompts``), or
-    None to presample all ``available`` ones."""
-    wanted = cfg.pvpo.prompts
-    if wanted == "all":
-        return None
-    if wanted == "auto":
-        wanted = cfg.steps * cfg.rollout.prompts_per_step
-    return wanted if wanted < available else None
-
-
-def trainable(cfg: TrainConfig) -> Callable[[AnchorStat], bool]:
-    """Whether group sampling may keep a prompt, judged on its presampled statistics alone:
-    every prompt without group sampling; otherwise not the accuracy-1 ones, and accuracy-0
-    ones only with a teacher or ``pvpo.keep_unsolved`` (a teacher that then fails a prompt
-    leaves the walk's pool one prompt short)."""
-    if cfg.filter.kind != "group":
-        return lambda stat: True
-    rescued = cfg.pvpo.teacher is not None or cfg.pvpo.keep_unsolved
-    return lambda stat: not stat.all_correct and (rescued or not stat.none_correct)
-
-
-def walk_order(records: Sequence[Record], seed: int) -> list[Record]:
-    """``records`` in the seeded order a presampling walk takes them."""
-    order = np.random.default_rng([seed, _WALK_STREAM]).permutation(len(records))
-    return [records[int(i)] for i in order]
-
-
 def presample_anchors(setup: Setup) -> AnchorSet:
     """Presample the reference ``pvpo.m`` times on the run's training prompts (rows already in
     ``pvpo.store`` under the same key are reused): those ``pvpo.prompts`` names
@@ -246,71 +148,22 @@ def presample_anchors(setup: Setup) -> AnchorSet:
     it started with (``RUN_DIR/pvpo.json``), so resuming with more ``steps`` draws the same
     prompts for more epochs."""
     cfg, task = setup.cfg, setup.task
-    target = pool_target(cfg, len(setup.records))
+    draws = cfg.steps * cfg.rollout.prompts_per_step
+    target = pool_target(cfg.pvpo, draws, len(setup.records))
     if setup.resuming:
         target = _started_with(setup.run_dir, target)
-    records = setup.records if target is None else walk_order(setup.records, anchor_seed(cfg))
+    seed = anchor_seed(cfg.pvpo)
+    records = setup.records if target is None else walk_order(setup.records, seed)
     if target is None:
-        draws = cfg.steps * cfg.rollout.prompts_per_step
         note = presample_cost_note(len(records), cfg.pvpo.m, draws, draws * cfg.rollout.n)
         if note:
             _log.warning(note)
     reference = setup.get_reference()
     return presample_set(
         reference, setup.tokenizer, task, task_identity(cfg.task, task, cfg.task_args),
-        presample_params(cfg, task), records, AnchorStore(store_path(cfg.pvpo)), cfg.pvpo,
-        cfg.engine, cfg.log.progress, seed=anchor_seed(cfg), target=target,
-        keep=trainable(cfg),
-    )  # fmt: skip
-
-
-def presample_set(
-    reference: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    task_id: str,
-    params: SamplingParams,
-    records: Sequence[Record],
-    store: AnchorStore,
-    pc: PVPOConfig,
-    engine: tuple[str, Mapping[str, Any]] = ("hf", {}),
-    progress: bool = True,
-    seed: int = PRESAMPLE_SEED,
-    target: int | None = None,
-    keep: Callable[[AnchorStat], bool] = lambda stat: True,
-) -> AnchorSet:
-    """Presample ``reference`` ``pc.m`` times on ``records`` into ``store`` (rows already stored
-    under the same key are reused), with ``params`` (:func:`presample_params`) and the anchor
-    ``seed`` through the engine ``engine = (name, options)``. Needs no run: an integration
-    holds the result.
-
-    target: None presamples every record. Otherwise the records are walked in order, in
-    chunks sized from the share that passed ``keep`` so far, until ``target`` of them pass
-    it or they run out; the set holds the records walked (its cost) and
-    :attr:`AnchorSet.pool` the first ``target`` that pass. The walk depends only on the
-    stored statistics, so a resumed run walks the same prompts and samples nothing.
-    """
-    started = time.perf_counter()
-    key = presample_key(reference, tokenizer, params, task_id, seed=seed)
-    name, options = engine
-    sampler = RolloutSampler(make_engine(name, reference, tokenizer, **options), task, params)
-    records = list(records)
-    walked, passed, results = 0, 0, []
-    stats: dict[str, AnchorStat] = {}
-    while walked < len(records) and (target is None or passed < target):
-        size = len(records) if target is None else _chunk(target - passed, passed, walked, pc)
-        chunk = records[walked : walked + size]
-        results.append(
-            presample(chunk, sampler, store, key, pc.m, pc.presample_batch, seed, progress)
-        )
-        new = store.get_anchors(key, [r.id for r in chunk])
-        stats |= new
-        passed += sum(keep(new[r.id]) for r in chunk)
-        walked += len(chunk)
-    records = records[:walked]
-    return AnchorSet(
-        store, key, params, sampler, records, stats, _merged(key, results),
-        time.perf_counter() - started, target=target,
+        presample_params(cfg, task), records, AnchorStore(store_path(cfg.pvpo.store)), cfg.pvpo,
+        cfg.engine, cfg.log.progress, seed=seed, target=target,
+        keep=trainable(cfg.pvpo, cfg.filter.kind == "group"),
     )  # fmt: skip
 
 
@@ -320,28 +173,6 @@ def _started_with(run_dir: Path, target: int | None) -> int | None:
     if not path.is_file():
         return target
     return json.loads(path.read_text()).get("walk_target", target)
-
-
-_WALK_STREAM = 7
-"""Second entry of the walk order's seed, apart from the other streams of the run's seed."""
-
-
-def _chunk(missing: int, passed: int, walked: int, pc: PVPOConfig) -> int:
-    """Prompts to presample next so that about ``missing`` more pass, at the pass rate so far
-    (at least a presampling batch; a rate under 5% counts as 5%)."""
-    rate = passed / walked if walked else 1.0
-    return max(pc.presample_batch, math.ceil(missing / max(rate, 0.05)))
-
-
-def _merged(key: AnchorKey, results: Sequence[PresampleResult]) -> PresampleResult:
-    """One :class:`PresampleResult` for a walk's presampling calls."""
-    return PresampleResult(
-        key=key.digest,
-        rollouts=sum(r.rollouts for r in results),
-        prompts_sampled=sum(r.prompts_sampled for r in results),
-        prompts_reused=sum(r.prompts_reused for r in results),
-        prompts_discarded=sum(r.prompts_discarded for r in results),
-    )
 
 
 def build_teacher(
@@ -362,24 +193,6 @@ def build_teacher(
         return frozen(model), teacher_tokenizer
 
     return pvpo_teacher(cfg.pvpo, task, tokenizer, reference, params, load_model)
-
-
-def pvpo_teacher(
-    pc: PVPOConfig,
-    task: Task,
-    tokenizer: PreTrainedTokenizerBase,
-    reference: PreTrainedModel | None,
-    params: SamplingParams,
-    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
-) -> Teacher | None:
-    """The teacher ``pc.teacher`` names (None for none); ``load_model(spec)`` loads an ``hf:``
-    teacher. Needs no run."""
-    if pc.teacher is None:
-        return None
-    return make_teacher(
-        pc.teacher, task, tokenizer, reference, params, load_model=load_model,
-        tries=pc.teacher_tries, seed=TEACHER_SEED, teacher_model=pc.teacher_model,
-    )  # fmt: skip
 
 
 class PVPO(Component):
@@ -496,12 +309,8 @@ class PVPO(Component):
             sampler: Sampler = RolloutSampler(self.engine, self.task, self.set.params)
             fingerprint = fingerprint_model(self.policy)
         else:
-            sampler, fingerprint = self.set.sampler, None
-        result = refresh_anchors(
-            self.records, sampler, self.set.store, self.set.key, pc.refresh_mode, completed,
-            pc.m, model_fingerprint=fingerprint, batch_size=pc.presample_batch,
-            seed=anchor_seed(self.cfg),
-        )  # fmt: skip
+            sampler, fingerprint = None, None
+        result = self.set.refresh(self.records, pc, completed, sampler, fingerprint)
         self.anchor_key, self.anchors = result.key.digest, result.anchors
         self.refresh_rollouts += anchor_rollouts(result.anchors, self.records)
         return {
@@ -538,33 +347,15 @@ def _group_sampling(setup: Setup, anchor_set: AnchorSet) -> FilterResult:
     cfg, task = setup.cfg, setup.task
     reference = setup.get_reference() if cfg.pvpo.teacher == "oracle:reference" else None
     teacher = build_teacher(cfg, task, setup.tokenizer, reference, anchor_set.params)
-    task_id = task_identity(cfg.task, task, cfg.task_args)
-    return group_sampling(anchor_set, teacher, task_id, cfg.pvpo, cfg.log.progress)
-
-
-def group_sampling(
-    anchor_set: AnchorSet,
-    teacher: Teacher | None,
-    task_id: str,
-    pc: PVPOConfig,
-    progress: bool = True,
-) -> FilterResult:
-    """Group sampling of ``anchor_set.records`` on their presampled statistics, the teacher's
-    outcomes cached in ``anchor_set.store``; ValueError when no prompt is left. Needs no run."""
-    tkey = None if teacher is None else teacher_key(teacher, task_id)
-    records = anchor_set.records
-    result = group_filter(
-        records, anchor_set.stats, teacher=teacher, store=anchor_set.store if teacher else None,
-        key=tkey, keep_unsolved=pc.keep_unsolved, progress=progress,
+    tkey = (
+        None
+        if teacher is None
+        else teacher_key(teacher, task_identity(cfg.task, task, cfg.task_args))
+    )
+    return group_sampling(
+        anchor_set.records, anchor_set.stats, teacher, anchor_set.store, tkey,
+        cfg.pvpo.keep_unsolved, cfg.pvpo.teacher, cfg.log.progress,
     )  # fmt: skip
-    if not result.records:
-        raise ValueError(
-            f"group sampling left no training prompt of {len(records)}: the reference solves "
-            f"{result.stats.acc_one} every time and no teacher trajectory covers the "
-            f"{result.stats.dropped_unsolved} it never solves (pvpo.teacher={pc.teacher!r}; "
-            "pvpo.keep_unsolved=true keeps those)"
-        )
-    return result
 
 
 def write_presample_report(

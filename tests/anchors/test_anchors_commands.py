@@ -106,7 +106,6 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatc
 
     # another anchor seed still seeds the teacher as the trainer does (one teacher key)
     from anchor_rl.anchors import teachers
-    from anchor_rl.trainer import pvpo
 
     seeds, make = [], teachers.make_teacher
     monkeypatch.setattr(
@@ -115,7 +114,7 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatc
     assert runner.invoke(app, ["presample", *args, "--seed", "3"]).exit_code == 0
     out = runner.invoke(app, ["anchors", "filter", *common, "--seed", "3", "--teacher", "oracle"])
     assert out.exit_code == 0, out.output
-    assert seeds == [pvpo.TEACHER_SEED]
+    assert seeds == [teachers.TEACHER_SEED]
 
 
 def test_presample_defaults_are_the_presets_so_training_finds_the_anchors(tmp_path):

@@ -31,7 +31,7 @@ from anchor_rl.integrations.verl.trainer import (
     object_array,
     prepare_method,
 )
-from anchor_rl.trainer.v05 import build_prior, fuse_groups
+from anchor_rl.methods.v05 import build_prior, fuse_groups
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "verl" / "config"
 PROMPTS = [

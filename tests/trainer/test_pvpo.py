@@ -25,14 +25,8 @@ from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train, train_step
-from anchor_rl.trainer.pvpo import (
-    batch_anchors,
-    inject_teachers,
-    pool_target,
-    presample_cost_note,
-    reference_key,
-    walk_order,
-)
+from anchor_rl.trainer.pvpo import batch_anchors, inject_teachers, reference_key
+from anchor_rl.methods.pvpo import pool_target, presample_cost_note, walk_order
 from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs, score_logprobs
 
@@ -303,7 +297,7 @@ def test_anchors_topped_up_by_a_larger_m_are_announced(parity, tiny, tmp_path, c
     )
 
 
-def test_each_seed_draws_its_own_anchors_unless_presample_seed_is_set(
+def test_every_seed_shares_one_anchor_draw_unless_presample_seed_is_set(
     parity, tiny, tmp_path, monkeypatch
 ) -> None:
     store, seeds = tmp_path / "shared.db", []
@@ -325,11 +319,12 @@ def test_each_seed_draws_its_own_anchors_unless_presample_seed_is_set(
         return start_run(cfg, tmp_path / name).components["pvpo"], list(seeds)
 
     zero, drawn_zero = set_up("zero", "seed=0")
-    one, drawn_one = set_up("one", "seed=1")
-    shared, drawn_shared = set_up("shared", "seed=1", "pvpo.presample_seed=0")
-    assert drawn_zero and set(drawn_zero) == {0} and drawn_one and set(drawn_one) == {1}
-    assert one.anchor_key != zero.anchor_key  # two draws, two keys: never mixed
+    shared, drawn_shared = set_up("shared", "seed=1")
+    own, drawn_own = set_up("own", "seed=0", "pvpo.presample_seed=1")
+    assert drawn_zero and set(drawn_zero) == {0}  # the anchor seed is 0 by default
     assert drawn_shared == [] and shared.anchor_key == zero.anchor_key  # one draw, reused
+    assert drawn_own and set(drawn_own) == {1}
+    assert own.anchor_key != zero.anchor_key  # two draws, two keys: never mixed
 
 
 def test_a_presampling_dearer_than_the_run_is_announced() -> None:
@@ -345,7 +340,8 @@ def test_a_presampling_dearer_than_the_run_is_announced() -> None:
 
 def test_the_walk_target_comes_from_pvpo_prompts() -> None:
     def target(*overrides: str, available: int = 30_000):
-        return pool_target(load_config("pvpo", ["steps=100", *overrides]), available)
+        cfg = load_config("pvpo", ["steps=100", *overrides])
+        return pool_target(cfg.pvpo, cfg.steps * cfg.rollout.prompts_per_step, available)
 
     assert target() == 100 * 8  # auto: each prompt the run draws, once
     assert target("pvpo.prompts=300") == 300

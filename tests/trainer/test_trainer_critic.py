@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.models.value_pretrain import mc_returns
@@ -27,13 +28,10 @@ from anchor_rl.trainer.config import ConfigError, TrainConfig, load_config
 from anchor_rl.trainer.critic import (
     PRETRAIN_FILE,
     PPOCritic,
-    critic_metrics,
     critic_optimizer,
-    critic_targets,
     critic_update,
     critic_values,
     new_critic,
-    policy_lambda,
 )
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
@@ -81,8 +79,9 @@ def gae_targets(cfg, rewards, mask, values, logp, ref_logp) -> Targets:
     inputs, the critic's values and lambda, the registered ``gae`` estimator, the critic's
     returns and whitening."""
     inputs = base_inputs(cfg, rewards, torch.arange(len(rewards)), mask, logp, ref_logp)
-    inputs |= {"values": values, "lam": policy_lambda(cfg, mask)}
-    advantages, returns = critic_targets(cfg, inputs, compute_advantages(cfg, inputs))
+    inputs |= {"values": values, "lam": policy_lambda(cfg.critic, mask)}
+    advantages = compute_advantages(cfg, inputs)
+    advantages, returns = critic_targets(cfg.critic, cfg.advantage.gamma, inputs, advantages)
     return Targets(values, advantages, returns, inputs["lam"])
 
 
@@ -166,7 +165,7 @@ def test_length_adaptive_lambda_is_used_per_response() -> None:
     torch.testing.assert_close(t.returns, mask)  # Monte-Carlo returns, whatever lambda_policy
     # short responses (alpha * l <= 1) get lam_min
     short = torch.ones(1, 20)
-    lam = policy_lambda(_cfg("critic.policy_lam=adaptive", "critic.lam_min=0.1"), short)
+    lam = policy_lambda(_cfg("critic.policy_lam=adaptive", "critic.lam_min=0.1").critic, short)
     torch.testing.assert_close(lam, torch.tensor([0.1]))
 
 

@@ -20,9 +20,10 @@ from pydantic import Field, field_validator, model_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
 from anchor_rl.methods.critic_config import CriticConfig
+from anchor_rl.methods.knobs import changed as _changed
+from anchor_rl.methods.knobs import no_effect as _no_effect
 from anchor_rl.methods.v05_config import V05Config, check_reward_range
 from anchor_rl.section import Section
-from anchor_rl.trainer.config import TrainConfig, _changed, _no_effect
 
 __all__ = [
     "MethodConfig",
@@ -206,16 +207,6 @@ class MethodConfig(Section):
     def group_sampling(self) -> bool:
         """Whether PVPO's group sampling filters the training prompts."""
         return self.method == "pvpo" and self.pvpo.group_sampling
-
-    def train_config(self, gamma: float) -> TrainConfig:
-        """An anchor-rl TrainConfig holding the VAPO critic knobs and ``gamma``: what
-        :func:`anchor_rl.trainer.critic.critic_targets` and ``policy_lambda`` read."""
-        return TrainConfig.model_validate(
-            {
-                "advantage": {"estimator": "gae", "gamma": float(gamma)},
-                "critic": self.vapo.critic_config().model_dump(),
-            }
-        )
 
 
 def _plain(node: Any) -> Any:

@@ -13,9 +13,9 @@ row with None, as presampling keys a dataset row without one).
 
 Every number comes from anchor-rl: PVPO's ``r - V_sta`` and V0.5's ``r - b`` through the
 estimators registered with verl (:mod:`.estimators`, which call :mod:`anchor_rl.algos`),
-V0.5's fusion, budget and prior from :mod:`anchor_rl.trainer.v05`, VAPO's GAE from
+V0.5's prior, fusion and budget from :mod:`anchor_rl.methods.v05`, VAPO's GAE from
 :mod:`anchor_rl.algos` and its decoupled returns, whitening and length-adaptive lambda from
-:mod:`anchor_rl.trainer.critic`. Nothing needs an anchor-rl run.
+:mod:`anchor_rl.methods.vapo`. Nothing needs an anchor-rl run.
 """
 
 from __future__ import annotations
@@ -32,27 +32,14 @@ from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.integrations.verl import ESTIMATORS
 from anchor_rl.integrations.verl.config import MethodConfig, select
 from anchor_rl.integrations.verl.data import batch_row_keys
-from anchor_rl.trainer.critic import critic_metrics, critic_targets, policy_lambda
-from anchor_rl.trainer.v05 import (
-    Fusion,
-    build_prior,
-    check_rewards,
-    extra_counts,
-    fuse_groups,
-    fusion_metrics,
-)
+from anchor_rl.methods.groups import first_rows, group_index
+from anchor_rl.methods.v05 import Fusion, V05Step, build_prior
+from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
 
-__all__ = ["MethodState", "V05Plan", "group_index", "outcome"]
+__all__ = ["MethodState", "V05Plan", "outcome"]
 
 NLL_WEIGHT = "anchor_rl_nll_weight"
 """The per-row field VAPO's actor loss reads (:mod:`.losses`)."""
-
-
-def group_index(uids: Sequence[Any]) -> tuple[Tensor, list[str]]:
-    """``(group[B] int64, uids[G])``: each row's group id in order of first appearance."""
-    order: dict[str, int] = {}
-    group = [order.setdefault(str(u), len(order)) for u in uids]
-    return torch.tensor(group, dtype=torch.long), list(order)
 
 
 def outcome(token_level: Tensor) -> Tensor:
@@ -61,28 +48,17 @@ def outcome(token_level: Tensor) -> Tensor:
     return token_level.sum(dim=-1)
 
 
-def first_rows(group: Tensor, groups: int) -> list[int]:
-    """The first row of each group ``0..G-1``."""
-    first: dict[int, int] = {}
-    for row, g in enumerate(group.tolist()):
-        first.setdefault(g, row)
-    return [first[g] for g in range(groups)]
-
-
 @dataclass
 class V05Plan:
     """V0.5's state between a step's sampling (top-ups) and its advantage stage.
 
-    uids, keys: the step's prompts ``[G]`` (uid, row key: messages, gold answer and data
-    source). prior:
-    the prior's prediction ``[G]`` before any rollout of the step. first: the fusion on the
-    first ``rollout.n`` rollouts. rounds: top-up rounds run.
+    uids: the step's prompts ``[G]`` (verl's uid). step: the prior's prediction and the
+    fusion on the first ``rollout.n`` rollouts, keyed by the row keys (messages, gold answer
+    and data source). rounds: top-up rounds run.
     """
 
     uids: list[str]
-    keys: list[str]
-    prior: Tensor
-    first: Fusion
+    step: V05Step
     rounds: int = 0
 
 
@@ -131,18 +107,14 @@ class MethodState:
         """The prior's prediction for the step's prompts and the fusion on their first
         rollouts (``rewards[B]``, ``group[B]`` in ``0..G-1``); kept for the advantage stage."""
         assert self.prior is not None
-        check_rewards(rewards, self.vc)
-        prior = self.prior.predict(list(keys), None)
-        first = fuse_groups(rewards, group, prior, self.vc)
-        self.plan = V05Plan(list(uids), list(keys), prior, first)
+        self.plan = V05Plan(list(uids), V05Step.begin(self.prior, self.vc, keys, rewards, group))
         return self.plan
 
     def v05_extra(self, rewards: Tensor, group: Tensor) -> Tensor:
         """More rollouts each prompt of the plan asks for, ``[G]`` int64, given every rollout so
         far (``rewards[B]``, ``group[B]``): anchor-rl's budget rule (0 where the prior holds)."""
         assert self.plan is not None
-        check_rewards(rewards, self.vc)
-        return extra_counts(fuse_groups(rewards, group, self.plan.prior, self.vc), self.vc)
+        return self.plan.step.extra(self.vc, rewards, group)
 
     # -- the advantage stage -------------------------------------------------------------
 
@@ -210,19 +182,15 @@ class MethodState:
         """The fused baseline ``[G]`` of the step's prompts (``rewards[B]`` of the valid rows,
         ``group[B]`` in ``0..G-1`` over ``uids[G]``), then the prior's update."""
         assert self.prior is not None
-        plan = self.plan
+        plan, self.plan = self.plan, None
         if plan is None or sorted(plan.uids) != sorted(uids):  # no sampling hook ran
-            prior = self.prior.predict(list(keys), None)
-            first, rounds = None, 0
+            step, rounds = V05Step.begin(self.prior, self.vc, keys, rewards, group), 0
         else:  # the hook's prediction, in this batch's group order (verl reorders rows)
             perm = torch.tensor([plan.uids.index(u) for u in uids], dtype=torch.long)
-            prior, rounds = plan.prior[perm], plan.rounds
-            first = Fusion(*(getattr(plan.first, f.name)[perm] for f in fields(Fusion)))
-        check_rewards(rewards, self.vc)
-        last = fuse_groups(rewards, group, prior, self.vc)
-        self.prior.update(list(keys), [rewards[group == g] for g in range(len(uids))], None)
-        self.plan = None
-        return last.baseline.float(), fusion_metrics(first or last, last, rounds)
+            first = Fusion(*(getattr(plan.step.first, f.name)[perm] for f in fields(Fusion)))
+            step, rounds = V05Step(list(keys), plan.step.prior[perm], first), plan.rounds
+        baseline, _, metrics = step.finish(self.prior, self.vc, rewards, group, rounds)
+        return baseline, metrics
 
     def _vapo(self, data: Any, algo: Any, valid: Tensor) -> dict[str, float]:
         """Decoupled, length-adaptive GAE on verl's critic values (docs/vapo.md)."""
@@ -232,14 +200,13 @@ class MethodState:
         mask = batch["response_mask"].float()
         token_rewards = batch["token_level_rewards"].float()
         values = batch["values"].float()
-        cfg = self.cfg.train_config(float(select(algo, "gamma", 1.0)))
-        lam = policy_lambda(cfg, mask)
+        cc, gamma = self.cfg.vapo.critic_config(), float(select(algo, "gamma", 1.0))
+        lam = policy_lambda(cc, mask)
         advantages = anchor_advantage(
-            "gae", token_rewards=token_rewards, values=values, mask=mask,
-            gamma=cfg.advantage.gamma, lam=lam,
-        )  # fmt: skip
+            "gae", token_rewards=token_rewards, values=values, mask=mask, gamma=gamma, lam=lam
+        )
         inputs = {"mask": mask, "token_rewards": token_rewards, "values": values}
-        advantages, returns = critic_targets(cfg, inputs, advantages)
+        advantages, returns = critic_targets(cc, gamma, inputs, advantages)
         scores = outcome(batch["token_level_scores"].float())
         metrics = critic_metrics(values, returns, advantages, lam, mask, scores)
         dtype = batch["token_level_rewards"].dtype

@@ -35,7 +35,7 @@ from verl.utils import tensordict_utils as tu
 
 from anchor_rl.integrations.verl import AGENT_LOOPS
 from anchor_rl.integrations.verl.data import as_list, batch_row_keys
-from anchor_rl.integrations.verl.method import group_index
+from anchor_rl.methods.groups import first_rows, group_index
 from anchor_rl.tasks.base import Record
 
 Trainer = Any
@@ -191,8 +191,7 @@ def top_up(trainer: Trainer, batch: KVBatchMeta) -> KVBatchMeta:
         )
     rewards = fields["rm_scores"].to_padded_tensor(0.0).float().sum(dim=-1)
     group, order = group_index(uids)
-    first = {g: r for r, g in reversed(list(enumerate(group.tolist())))}
-    keys = batch_row_keys(fields, [first[g] for g in range(len(order))])
+    keys = batch_row_keys(fields, first_rows(group, len(order)))
     plan = state.v05_plan(order, keys, rewards, group)
     if vc.budget != "adaptive":
         return batch

@@ -47,7 +47,7 @@ from verl.utils.dataset.rl_dataset import collate_fn
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 import anchor_rl.integrations.verl.estimators  # noqa: F401  (the estimators and policy loss)
-from anchor_rl.anchors.filter import FilterResult, group_filter
+from anchor_rl.anchors.filter import FilterResult
 from anchor_rl.anchors.presample import PresampleResult, Sampler, presample
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.anchors.teachers import teacher_key
@@ -70,13 +70,13 @@ from anchor_rl.integrations.verl.rollout import (
     teacher_payload,
     top_up,
 )
-from anchor_rl.paths import cache_root
+from anchor_rl.methods.pvpo import PRESAMPLE_SEED, group_sampling
+from anchor_rl.paths import store_path
 
 __all__ = ["AnchorRLTrainer", "Prepared", "prepare_method"]
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "anchor_rl.pt"
-PRESAMPLE_SEED = 0
 
 
 class Prepared:
@@ -93,11 +93,6 @@ class Prepared:
         self.state, self.rows, self.presampled, self.filtered = state, rows, presampled, filtered
 
 
-def store_path(cfg: MethodConfig) -> Path:
-    """``anchor_rl.store``, or the shared ``$ANCHOR_RL_CACHE/anchors.db``."""
-    return Path(cfg.store) if cfg.store else cache_root() / "anchors.db"
-
-
 def prepare_method(
     cfg: MethodConfig,
     rows: list[dict[str, Any]],
@@ -110,7 +105,7 @@ def prepare_method(
     With anchors: those under ``anchor_rl.pvpo.anchor_key`` in the store, or else presampled
     with ``sampler`` under ``key`` (rows already stored under it are reused: anchor-rl's
     :func:`~anchor_rl.anchors.presample.presample`); then PVPO's group sampling
-    (:func:`~anchor_rl.anchors.filter.group_filter`, the field teacher's outcomes cached in
+    (:func:`~anchor_rl.methods.pvpo.group_sampling`, the field teacher's outcomes cached in
     the store) decides the rows kept. ``tokenizer`` tokenizes the field teacher's traces.
     """
     if not cfg.uses_anchors:
@@ -118,7 +113,7 @@ def prepare_method(
     pc = cfg.pvpo
     records, indices = dataset_records(rows, pc.teacher[len("field:") :] if pc.teacher else None)
     ids = [r.id for r in records]
-    store = AnchorStore(store_path(cfg))
+    store = AnchorStore(store_path(cfg.store))
     presampled = None
     if pc.anchor_key is not None:
         digest = pc.anchor_key
@@ -145,16 +140,9 @@ def prepare_method(
             None if pc.teacher is None else FieldTeacher(pc.teacher[len("field:") :], tokenizer)
         )
         tkey = None if teacher is None else teacher_key(teacher, digest)
-        filtered = group_filter(
-            records, stats, teacher=teacher, store=store if teacher else None, key=tkey,
-            keep_unsolved=pc.keep_unsolved, progress=False,
-        )  # fmt: skip
-        if not filtered.records:
-            raise ValueError(
-                f"group sampling left no training prompt of {len(records)}: the reference solves "
-                f"{filtered.stats.acc_one} every time and no teacher trajectory covers the "
-                f"{filtered.stats.dropped_unsolved} it never solves"
-            )
+        filtered = group_sampling(
+            records, stats, teacher, store, tkey, pc.keep_unsolved, pc.teacher, progress=False
+        )
         kept = sorted(i for r in filtered.records for i in indices[r.id])
         trajectories = filtered.trajectories
     state = MethodState(cfg, stats, digest, trajectories)
