@@ -6,5 +6,5 @@ Modules: :mod:`~anchor_rl.algos.advantages` (GRPO, Dr. GRPO, RLOO, PVPO, REINFOR
 :mod:`~anchor_rl.algos.losses` (policy/value/NLL losses, KL estimators, aggregation) and
 :mod:`~anchor_rl.algos.registry` (the names presets use). See docs/algorithms.md.
 
-Nothing is imported here, so ``anchor_rl.algos.commands`` (the CLI) loads without torch.
+Nothing is imported here, so the command line (:mod:`anchor_rl.cli`) loads without torch.
 """

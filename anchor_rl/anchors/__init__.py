@@ -7,5 +7,5 @@ anchor store, ``AnchorStat``, ``TeacherTrajectory``), :mod:`~anchor_rl.anchors.p
 (``group_filter``), :mod:`~anchor_rl.anchors.teachers` (HF, HTTP and oracle teachers) and
 :mod:`~anchor_rl.anchors.priors` (baseline priors for V0.5). See docs/pvpo.md.
 
-Nothing is imported here, so ``anchor_rl.anchors.commands`` (the CLI) loads without torch.
+Nothing is imported here, so the command line (:mod:`anchor_rl.cli`) loads without torch.
 """

@@ -1,8 +1,8 @@
 """The ``anchor-rl`` command.
 
-Each sub-command lives in its package's ``commands.py`` next to the code it drives and
-is registered here. Those modules import torch and transformers lazily inside the
-command bodies, so ``anchor-rl --help`` stays fast.
+Each group of sub-commands is a module of this package (``train``, ``eval``, ``sft``,
+``serve``, ``anchors``, ``bench``, ``algos``), registered here. Those modules import torch and
+transformers lazily inside the command bodies, so ``anchor-rl --help`` stays fast.
 
 An error ends the command on one screen: ``error: <cause and fix>`` on stderr, exit code 2
 for errors a user can fix (``anchor_rl.errors.AnchorRLError``, a bad config, a missing
@@ -54,43 +54,20 @@ def _root(
     """RL from verifiable rewards with cheap, accurate advantage baselines."""
 
 
-# Registration: one line per command, grouped by package.
-from anchor_rl.algos import commands as _algos_commands  # noqa: E402
+# Registration: one line per command.
+from anchor_rl.cli import algos, anchors, bench, serve, sft, train  # noqa: E402
+from anchor_rl.cli import eval as evaluate  # noqa: E402
 
-app.command("algos-check")(_algos_commands.algos_check)
-
-from anchor_rl.models import commands as _models_commands  # noqa: E402
-
-app.command("sft")(_models_commands.sft)
-
-from anchor_rl.rollout import commands as _rollout_commands  # noqa: E402
-
-app.command("eval")(_rollout_commands.eval_command)
-
-from anchor_rl.serve import commands as _serve_commands  # noqa: E402
-
-app.command("serve")(_serve_commands.serve_command)
-
-from anchor_rl.trainer import commands as _trainer_commands  # noqa: E402
-
-app.command("train")(_trainer_commands.train)
-
-from anchor_rl.bench import commands as _bench_commands  # noqa: E402
-
-app.command("bench")(_bench_commands.bench)
-
-from anchor_rl.bench import report as _bench_report  # noqa: E402
-
-app.command("report")(_bench_report.report_command)
-
-from anchor_rl.bench import quickstart as _bench_quickstart  # noqa: E402
-
-app.command("quickstart")(_bench_quickstart.quickstart)
-
-from anchor_rl.anchors import commands as _anchors_commands  # noqa: E402
-
-app.command("presample")(_anchors_commands.presample_command)
-app.add_typer(_anchors_commands.anchors_app, name="anchors")
+app.command("algos-check")(algos.algos_check)
+app.command("sft")(sft.sft)
+app.command("eval")(evaluate.eval_command)
+app.command("serve")(serve.serve_command)
+app.command("train")(train.train)
+app.command("bench")(bench.bench)
+app.command("report")(bench.report_command)
+app.command("quickstart")(bench.quickstart)
+app.command("presample")(anchors.presample_command)
+app.add_typer(anchors.anchors_app, name="anchors")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +95,3 @@ def report_error(exc: BaseException) -> int:
             err=True,
         )
     return 2 if expected else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from anchor_rl.cli.options import parse_task_kwargs
+
 if TYPE_CHECKING:
     from anchor_rl.anchors.keys import AnchorKey
     from anchor_rl.anchors.store import AnchorStat, AnchorStore
@@ -126,8 +128,7 @@ def _setup(
     from anchor_rl.anchors.keys import task_identity
     from anchor_rl.anchors.presample import presample_key, task_params
     from anchor_rl.errors import AnchorRLError
-    from anchor_rl.models.commands import parse_task_kwargs
-    from anchor_rl.paths import cache_root
+    from anchor_rl.paths import store_path
     from anchor_rl.rollout.engine import make_engine
     from anchor_rl.rollout.spec import frozen, load_spec
     from anchor_rl.rollout.types import SamplingParams
@@ -193,7 +194,7 @@ def _setup(
         records,
         params,
         key,
-        db or cache_root() / "anchors.db",
+        store_path(db),
     )
 
 

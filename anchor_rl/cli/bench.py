@@ -1,6 +1,7 @@
-"""``anchor-rl bench SUITE``: run a suite's presets x variants x seeds and report.
+"""``anchor-rl bench SUITE`` (run a suite's presets x variants x seeds and report),
+``anchor-rl report RUNS...`` (one report from results) and ``anchor-rl quickstart``.
 
-torch and transformers are imported inside the command, so ``anchor-rl --help`` stays fast.
+torch and transformers are imported inside the commands, so ``anchor-rl --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -8,18 +9,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from anchor_rl.trainer.config import ConfigError, builtin_names
+from anchor_rl.errors import ConfigError
+from anchor_rl.trainer.presets import builtin_names
 
 FUNCTION_SUITES = {
     "trl": "anchor_rl.bench.trl_compare:run_trl_suite",
     "throughput": "anchor_rl.bench.throughput:run_throughput_suite",
     "baseline-mse": "anchor_rl.bench.probe:run_baseline_mse_suite",
-    "trl-pvpo": "anchor_rl.integrations.trl.bench:run_trl_pvpo_suite",
+    "trl-pvpo": "anchor_rl.bench.trl_pvpo:run_trl_pvpo_suite",
 }
 """Suites that are a function, not a suite file: ``fn(BenchArgs) -> {"summary_json",
 "summary_md", "plots"}`` (the signature of ``run_suite`` after the suite)."""
@@ -104,3 +107,80 @@ def _parse_seeds(text: str) -> list[int]:
     if not seeds:
         raise ConfigError("--seeds is empty")
     return seeds
+
+
+def report_command(
+    runs: Annotated[
+        list[Path],
+        typer.Argument(help="Training runs or bench result directories (searched recursively)."),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory for report.md, report.html and plots.")
+    ] = Path("report"),
+    results_md: Annotated[
+        Path | None,
+        typer.Option(
+            "--results-md",
+            help="Also write the report between the generated-block markers of this markdown file.",
+        ),
+    ] = None,
+) -> None:
+    """Build one report (markdown + offline HTML) from training runs and bench results."""
+    command = " ".join(
+        ["anchor-rl report", *map(str, runs), f"--out {out}"]
+        + ([f"--results-md {results_md}"] if results_md else [])
+    )
+    from anchor_rl.bench.report import write_report
+
+    try:
+        paths = write_report(runs, out, results_md, command)
+    except (FileNotFoundError, ValueError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def quickstart(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Config overrides for the run, key=value with dotted keys."),
+    ] = None,
+    task: Annotated[
+        str, typer.Option("--task", help="Task: arithmetic, countdown or multihop.")
+    ] = "arithmetic",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Run and report directory (default: runs/quickstart-TASK-TIME)."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Training steps (default 60).")
+    ] = None,
+    time_limit: Annotated[
+        float | None,
+        typer.Option("--time-limit", min=1.0, help="Stop training after this many seconds."),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            help="Also train GRPO at the same settings and compare on held-out prompts.",
+        ),
+    ] = True,
+) -> None:
+    """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
+    held-out evaluation before and after, GRPO at the same settings beside it, and a
+    report (markdown and PNG)."""
+    from anchor_rl.bench.quickstart import headline, quickstart_config, run_quickstart
+
+    cfg = quickstart_config(task, steps, time_limit, overrides or [])
+    run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run_quickstart(cfg, run_dir, compare)
+    typer.echo(
+        f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
+        f"in {result['total_s']:.0f} s"
+    )
+    if "comparison" in result:
+        typer.echo(headline(result["comparison"]))
+    typer.echo(f"report: {result['report_md']} (plot: {result['report_png']})")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from anchor_rl.models.commands import default_threads, parse_task_kwargs
+from anchor_rl.cli.options import default_threads, parse_task_kwargs
 
 
 def eval_command(

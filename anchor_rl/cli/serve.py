@@ -49,10 +49,11 @@ def serve_command(
     import torch
     import uvicorn
 
+    from anchor_rl.cli.options import default_threads, parse_task_kwargs
     from anchor_rl.errors import AnchorRLError
-    from anchor_rl.models.commands import default_threads, parse_task_kwargs
     from anchor_rl.rollout.spec import load_spec
-    from anchor_rl.serve.app import ModelServer, build_app
+    from anchor_rl.serve.app import build_app
+    from anchor_rl.serve.model import ModelServer
 
     torch.set_num_threads(default_threads())
     try:

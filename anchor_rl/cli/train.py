@@ -11,7 +11,9 @@ from typing import Annotated
 
 import typer
 
-from anchor_rl.trainer.config import ConfigError, describe, load_config, parse_override
+from anchor_rl.errors import ConfigError
+from anchor_rl.trainer.config import describe, load_config
+from anchor_rl.trainer.presets import parse_override
 
 
 def train(

@@ -9,10 +9,11 @@ The section is read when ``advantage.estimator = "pvpo"`` (the static anchor) or
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.section import Section
 
 TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
@@ -20,6 +21,10 @@ TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
 
 class PVPOConfig(Section):
     """PVPO: static anchors from reference rollouts, group sampling, teacher trajectories, refresh."""
+
+    method: ClassVar[str] = "PVPO"
+    enable: ClassVar[str] = "advantage.estimator=pvpo or filter.kind=group"
+    unused: ClassVar[str] = "the run presamples no anchors"
 
     m: int = Field(8, gt=0)
     """M: reference rollouts per training prompt, sampled once before training with the
@@ -39,9 +44,10 @@ class PVPOConfig(Section):
     presample_batch: int = Field(16, gt=0)
     """Prompts per presampling (and refresh) engine call, M responses each."""
     presample_seed: int | None = None
-    """Seed of the anchor draw (presampling and refreshes); part of the store key. None: the
-    run's `seed`, so every seed of a sweep presamples its own anchors and the spread over
-    seeds includes the anchors' noise. Set a number to share one draw across seeds."""
+    """Seed of the anchor draw (presampling, refreshes, the walk order); part of the store
+    key. None: 0, in every host and `anchor-rl presample`, so one draw serves every run of a
+    study whatever its seed. Set it per run (e.g. to the run's seed) for a seed spread that
+    includes the anchors' noise."""
     teacher: str | None = "oracle"
     """Group sampling: who writes a correct trajectory for the prompts the reference never
     solves. `oracle`: the task's reference solution, written with probability 1 (log pi_gt =
@@ -89,3 +95,39 @@ class PVPOConfig(Section):
                 f"pvpo.teacher={self.teacher!r} needs pvpo.teacher_model (the served model name)"
             )
         return self
+
+    def errors(self, *, group: bool, n: int, top_p: float) -> list[str]:
+        """The settings of a run with PVPO that cannot mean what the user thinks (empty: none).
+
+        group: whether the run has group sampling (``filter.kind = "group"``); n: the group
+        size (``rollout.n``); top_p: the rollouts' nucleus (``rollout.top_p``).
+        """
+        errors = []
+        http = self.teacher is not None and self.teacher.startswith("http:")
+        sampled = self.teacher is not None and self.teacher.split(":")[0] in ("hf", "http")
+        if self.teacher_model is not None and not http:
+            why = "it names the model an http: teacher serves"
+            errors.append(no_effect("pvpo", ["teacher_model"], why))
+        if not sampled and changed(self, ("teacher_tries",)):
+            why = f"pvpo.teacher={self.teacher} does not sample"
+            errors.append(no_effect("pvpo", ["teacher_tries"], why))
+        group_knobs = ("teacher", "teacher_model", "teacher_tries", "keep_unsolved")
+        if not group and (names := changed(self, group_knobs)):
+            why = "teachers and unsolved prompts belong to group sampling: set filter.kind=group"
+            errors.append(no_effect("pvpo", names, why))
+        if not self.refresh_every and changed(self, ("refresh_mode",)):
+            why = "pvpo.refresh_every=0 never refreshes"
+            errors.append(no_effect("pvpo", ["refresh_mode"], why))
+        if group and self.teacher is not None and n < 2:
+            errors.append(
+                f"rollout.n=1 with pvpo.teacher={self.teacher}: a teacher trajectory replaces "
+                "one of its group's n rollouts, here the policy's only one; set rollout.n >= 2 "
+                "or pvpo.teacher=none"
+            )
+        if self.teacher == "oracle:reference" and top_p < 1:
+            errors.append(
+                "pvpo.teacher=oracle:reference scores the trace without a nucleus, so "
+                "with rollout.top_p < 1 its pi_gt is not the distribution the reference "
+                "samples from; use pvpo.teacher=oracle or rollout.top_p=1"
+            )
+        return errors

@@ -1,7 +1,7 @@
 """Tokenizer, tiny model factory, loading and scoring of Hugging Face causal LMs.
 
-The public names below load lazily (PEP 562), so importing ``anchor_rl.models.commands``
-(the CLI) does not pull in torch and transformers.
+The public names below load lazily (PEP 562), so the command line (:mod:`anchor_rl.cli`)
+does not pull in torch and transformers.
 """
 
 from __future__ import annotations

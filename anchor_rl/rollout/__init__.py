@@ -1,8 +1,8 @@
 """Generation engines (the :class:`~anchor_rl.rollout.engine.Engine` seam), the agent loop and
 sampling-based evaluation.
 
-The public names below load lazily (PEP 562), so importing ``anchor_rl.rollout.commands``
-(the CLI) does not pull in torch and transformers.
+The public names below load lazily (PEP 562), so the command line (:mod:`anchor_rl.cli`)
+does not pull in torch and transformers.
 """
 
 from __future__ import annotations

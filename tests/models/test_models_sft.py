@@ -349,7 +349,7 @@ def test_sft_cli_class_stop_values(copy_task, monkeypatch):
     from typer.testing import CliRunner
 
     from anchor_rl.cli import app
-    from anchor_rl.models.commands import parse_class_stop
+    from anchor_rl.cli.sft import parse_class_stop
 
     assert parse_class_stop(None) is None and parse_class_stop("OFF") is False
     assert parse_class_stop("on") is True and parse_class_stop('{"k": 4}') == {"k": 4}

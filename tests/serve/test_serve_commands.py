@@ -17,7 +17,8 @@ from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.cli import app
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.serve.app import ModelServer, ServerThread, build_app
+from anchor_rl.serve.app import ServerThread, build_app
+from anchor_rl.serve.model import ModelServer
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
@@ -123,9 +124,7 @@ def test_serve_prints_the_port_it_bound(monkeypatch) -> None:
         return None
 
     monkeypatch.setattr(uvicorn.Server, "main_loop", no_loop)
-    monkeypatch.setattr(
-        "anchor_rl.models.commands.default_threads", lambda: torch.get_num_threads()
-    )
+    monkeypatch.setattr("anchor_rl.cli.options.default_threads", lambda: torch.get_num_threads())
     output = invoke("serve", "--model", "random:tiny", "--port", "0", "--log-level", "warning")
     port = re.search(r"serving 'random:tiny' on http://127\.0\.0\.1:(\d+)/v1", output)
     assert port is not None and int(port.group(1)) > 0, output
