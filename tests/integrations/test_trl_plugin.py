@@ -45,7 +45,7 @@ from anchor_rl.integrations.trl import (
     check_trl_version,
     task_dataset,
 )
-from anchor_rl.integrations.trl.trainers import TEACHER_KEY
+from anchor_rl.integrations.trl.base import TEACHER_KEY
 from anchor_rl.models.factory import build_model
 from anchor_rl.rollout.engine import make_engine
 from anchor_rl.rollout.types import SamplingParams

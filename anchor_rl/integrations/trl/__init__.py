@@ -11,7 +11,9 @@
 
 Both train on an anchor-rl task (:func:`task_dataset` builds its dataset,
 :func:`task_reward_function` its reward) and hold the method's pieces from
-``anchor_rl.trainer.pvpo`` / ``anchor_rl.trainer.v05`` without an anchor-rl run.
+``anchor_rl.methods.pvpo`` / ``anchor_rl.methods.v05`` without an anchor-rl run. Modules:
+``base`` (:class:`AnchoredGRPOTrainer`, the TRL hooks both override), ``pvpo``, ``v05``,
+``checks`` (set-up checks), ``data`` (dataset and reward) and ``version`` (the TRL pin).
 
 Importing this module checks that the installed TRL lies in :data:`SUPPORTED_TRL`.
 """
@@ -34,13 +36,11 @@ except ImportError as _exc:  # pragma: no cover - trl is in the dev extra
 
 check_trl_version(_trl.__version__)
 
+from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer  # noqa: E402
+from anchor_rl.integrations.trl.checks import UnsupportedFeatureError  # noqa: E402
 from anchor_rl.integrations.trl.data import task_dataset, task_reward_function  # noqa: E402
-from anchor_rl.integrations.trl.trainers import (  # noqa: E402
-    AnchoredGRPOTrainer,
-    PVPOGRPOTrainer,
-    UnsupportedFeatureError,
-    V05GRPOTrainer,
-)
+from anchor_rl.integrations.trl.pvpo import PVPOGRPOTrainer  # noqa: E402
+from anchor_rl.integrations.trl.v05 import V05GRPOTrainer  # noqa: E402
 
 __all__ = [
     "SUPPORTED_TRL",

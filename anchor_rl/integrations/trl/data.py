@@ -72,6 +72,21 @@ def prompt_of(tokenizer: PreTrainedTokenizerBase, task: Task, record: Record) ->
     return f"{instruction}\n\n{record.prompt}" if instruction else record.prompt
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> list[int]:
+    """The single token id of each stop string (TRL ends a completion only on eos ids).
+    ConfigError for a stop string of more than one token."""
+    ids = []
+    for stop in stops:
+        encoded = tokenizer.encode(stop, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"stop string {stop!r} is {len(encoded)} tokens; the TRL side can stop only on "
+                "single-token stops (passed to it as eos ids)"
+            )
+        ids.append(encoded[0])
+    return ids
+
+
 def task_reward_function(
     task: Task, records: Sequence[Record] | Mapping[str, Record]
 ) -> Callable[..., list[float]]:
