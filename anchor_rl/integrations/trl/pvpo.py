@@ -21,14 +21,20 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.algos.registry import compute_advantage
 from anchor_rl.anchors.filter import FilterResult
 from anchor_rl.anchors.keys import AnchorKey, fingerprint_model
-from anchor_rl.anchors.presample import RolloutSampler, refresh_anchors, refresh_key
+from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.presample import presample as presample_prompts
 from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.anchors.teachers import teacher_key
 from anchor_rl.errors import ConfigError
 from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer, fresh_copy
 from anchor_rl.integrations.trl.checks import non_default, section
-from anchor_rl.methods.pvpo import FILTER_FILE, anchor_seed, group_sampling, pvpo_teacher
+from anchor_rl.methods.pvpo import (
+    FILTER_FILE,
+    anchor_seed,
+    due_refresh,
+    group_sampling,
+    pvpo_teacher,
+)
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
@@ -299,33 +305,27 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         the last refresh (0: none) and ``state.global_step``, keyed by the last such multiple,
         the step it was due at (not the batch's step, which a resume mid-generation-batch
         moves); its metrics, else none."""
-        every, step = self.pvpo.refresh_every, self.state.global_step
         last = self.last_refresh["step"] if self.last_refresh else 0
-        if not every or step // every <= last // every:
-            return {}
-        return self.refresh(every * (step // every))
+        due = due_refresh(self.pvpo.refresh_every, last, self.state.global_step)
+        return {} if due is None else self.refresh(due)
 
     def refresh(self, step: int) -> dict[str, float]:
         """Re-estimate the anchors of the training prompts for the refresh due after ``step``
         optimizer steps (``pvpo.refresh_mode``; ``step`` keys it) with
-        ``anchors.presample.refresh_anchors``; they serve from now on. ``policy`` mode samples
+        :meth:`~anchor_rl.methods.pvpo.AnchorSet.refresh`; they serve from now on. ``policy`` mode samples
         a frozen copy of the current policy, keyed by its weight fingerprint; rows already
         stored under the refresh key (a refresh repeated by a resumed run) are reused, nothing
         sampled. Metrics ``pvpo/refresh_sampled`` and ``pvpo/refresh_seconds``."""
-        pc, store, started = self.pvpo, self.anchor_set.store, time.perf_counter()
+        pc, started = self.pvpo, time.perf_counter()
         records = [r for r in self._unique_records() if r.id in self.anchors]
-        sampler, engine, fingerprint = self.anchor_set.sampler, None, None
+        sampler, engine, fingerprint = None, None, None
         if pc.refresh_mode == "policy":  # the snapshot goes with its engine
             snapshot = fresh_copy(self.accelerator.unwrap_model(self.model))
             fingerprint = fingerprint_model(snapshot)
             engine = make_engine("hf", snapshot, self._tokenizer)
             sampler = RolloutSampler(engine, self.task, self.sampling)
         try:
-            result = refresh_anchors(
-                records, sampler, store, self.anchor_set.key, pc.refresh_mode, step, pc.m,
-                model_fingerprint=fingerprint, batch_size=pc.presample_batch,
-                seed=anchor_seed(pc), progress=self.progress,
-            )  # fmt: skip
+            result = self.anchor_set.refresh(records, pc, step, sampler, fingerprint, self.progress)
         finally:
             close_engine(engine)  # the snapshot's (None in reference mode: nothing to close)
         self.last_refresh = {"step": step, "mode": pc.refresh_mode, "fingerprint": fingerprint}

@@ -18,15 +18,7 @@ from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer
 from anchor_rl.integrations.trl.checks import UnsupportedFeatureError, non_default, section
 from anchor_rl.methods.pvpo import AnchorSet
 from anchor_rl.methods.pvpo_config import PVPOConfig
-from anchor_rl.methods.v05 import (
-    build_prior,
-    check_rewards,
-    extra_counts,
-    fuse_groups,
-    fusion_metrics,
-    uses_anchors,
-    uses_embeddings,
-)
+from anchor_rl.methods.v05 import V05Step, build_prior, check_rewards, uses_anchors, uses_embeddings
 from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.tasks.base import Record, Task
@@ -45,7 +37,7 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
     The history prior's forgetting clock counts anchor-rl's steps, the policy versions that
     sampled training rollouts: one per generation batch sampled from new weights, whatever
     ``num_iterations`` and the accumulation; batches sampled from the same weights share one
-    (:meth:`_learn`). The prior is saved in every TRL checkpoint and restored on resume.
+    (:meth:`_clock`). The prior is saved in every TRL checkpoint and restored on resume.
 
     v05: V0.5's knobs (``anchor_rl.methods.v05_config.V05Config`` or a mapping of its
         fields). ``v05.top_up_rounds`` is not offered.
@@ -112,17 +104,15 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
         prompts = list(ids[::k])
         group = torch.arange(len(ids)) // k
         emb = self._embed(prompts) if uses_embeddings(vc) else None
-        prior = self.prior.predict(prompts, emb)
-        fusion = fuse_groups(rewards, group, prior, vc)
-        baseline = fusion.baseline.to(rewards.dtype)[group]
-        advantages = compute_advantage("v05", rewards=rewards, baseline=baseline)
-        self._learn(prompts, [rewards[group == g] for g in range(len(prompts))], emb)
-        metrics = fusion_metrics(fusion, fusion, 0)
-        metrics["v05/extra_rollouts_wanted"] = float(extra_counts(fusion, vc).sum())
-        return advantages, metrics
+        step = V05Step.begin(self.prior, vc, prompts, rewards, group, emb)
+        wanted = float(step.extra(vc, rewards, group).sum())
+        baseline, _, metrics = step.finish(self.prior, vc, rewards, group, 0, **self._clock())
+        advantages = compute_advantage("v05", rewards=rewards, baseline=baseline[group])
+        return advantages, metrics | {"v05/extra_rollouts_wanted": wanted}
 
-    def _learn(self, prompts: Sequence[str], groups: Sequence[Tensor], emb: Tensor | None) -> None:
-        """The prior learns a generation batch's groups, on anchor-rl's step clock.
+    def _clock(self) -> dict[str, bool]:
+        """How the prior learns a generation batch's groups (``Prior.update``'s keywords), on
+        anchor-rl's step clock.
 
         anchor-rl's V0.5 updates the prior once per training step, a step being one batch of
         rollouts sampled from the current weights and then trained on for ``optim.epochs x
@@ -142,12 +132,11 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
           rollouts would add it. (Each batch is still fused with the prior as it stands
           when the batch is scored, so a later batch of the step sees the earlier ones.)
         """
-        version = self.state.global_step
-        if isinstance(self.prior, HistoryPrior):
-            self.prior.update(prompts, groups, emb, advance=version != self._prior_version)
-        else:  # no clock
-            self.prior.update(prompts, groups, emb)
+        version, last = self.state.global_step, self._prior_version
         self._prior_version = version
+        if isinstance(self.prior, HistoryPrior):
+            return {"advance": version != last}
+        return {}  # no clock
 
     def _embed(self, prompts: Sequence[str]) -> Tensor:
         """``[G, D]``: each prompt embedded by the policy, on the ids it is sampled from."""
