@@ -65,11 +65,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "v05-probe": (
         "v05",
         [
-            "v05.probe_every=2",
-            "v05.probe_prompts=2",
-            "v05.probe_truth=4",
-            "v05.probe_heldout=2",
-            "v05.probe_heldout_truth=2",
+            "plugins=anchor_rl.bench.v05_probe",
+            "components=v05_probe",
+            "component_args.v05_probe.every=2",
+            "component_args.v05_probe.prompts=2",
+            "component_args.v05_probe.truth=4",
+            "component_args.v05_probe.heldout=2",
+            "component_args.v05_probe.heldout_truth=2",
         ],
     ),
 }

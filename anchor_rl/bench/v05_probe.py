@@ -1,13 +1,17 @@
 """The baseline-MSE probe: inside a V0.5 run, how far each method's baseline is from the truth.
 
-Shapes: P probe prompts, K = v05.k_max pool rollouts, M = v05.probe_truth ground-truth
+A benchmark component: importing this module registers it as ``v05_probe``, and a V0.5 run
+adds it with ``plugins = ["anchor_rl.bench.v05_probe"]``, ``components = ["v05_probe"]``
+and its settings (:class:`ProbeSettings`) in ``component_args.v05_probe``.
+
+Shapes: P probe prompts, K = v05.k_max pool rollouts, M = ``truth`` ground-truth
 rollouts, H held-out prompts.
 
-Before steps 1, 1 + E, 1 + 2E, ... (E = ``v05.probe_every``) the probe takes a fixed set of P
+Before steps 1, 1 + E, 1 + 2E, ... (E = ``every``) the probe takes a fixed set of P
 training prompts (:func:`probe_records`) and samples, with the policy about to be trained
 (the one that samples that step's rollouts), K + M rollouts of each. The first K form the
 pool every method draws its rollouts from, the other M give the ground truth
-``mu = mean(truth)``. Each method's baseline (:data:`METHODS`) is compared with ``mu``;
+``mu = mean(truth)``. Each method's baseline (:func:`methods`) is compared with ``mu``;
 because the truth rollouts are independent of the pool, ``E[(b - mu_hat)^2] = MSE(b) +
 Var(mu_hat)``, so the reported ``mse`` subtracts the unbiased estimate of ``Var(mu_hat)``
 (``mse_raw`` keeps it). The prior is the run's, as that step would use it (before the
@@ -15,15 +19,15 @@ step's update).
 
 It also scores priors against ground truth (``anchor_rl.anchors.priors.prior_metrics``):
 the run's prior on the probe prompts (M-rollout truth), and on H held-out test prompts
-(``v05.probe_heldout_truth`` rollouts each) a knn prior whose context is the probe
-prompts' (embedding, truth) pairs under the current policy (V0's "within-policy" setting),
-and the run's own prior when it is knn-based.
+(``heldout_truth`` rollouts each) a knn prior whose context is the probe prompts'
+(embedding, truth) pairs under the current policy (V0's "within-policy" setting), and the
+run's own prior when it is knn-based.
 
 The probe's samples are seeded by ``(seed, "probe", step, ...)``, apart from training's and
-evaluation's, and it never updates the prior, so a run trains identically with or without it; its rollouts are counted in
-``probe/rollouts``, never in the training counters. Each probe appends one JSON line to
-``RUN_DIR/probe.jsonl`` (``anchor_rl.bench.probe`` turns the file into tables and plots)
-and returns ``probe/*`` scalars for metrics.jsonl.
+evaluation's, and it never updates the prior, so a run trains identically with or without
+it; its rollouts are counted in ``probe/rollouts``, never in the training counters. Each
+probe appends one JSON line to ``RUN_DIR/probe.jsonl`` (``anchor_rl.bench.probe`` turns the
+file into tables and plots) and returns ``probe/*`` scalars for metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -35,26 +39,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field, ValidationError
 from torch import Tensor
 
 from anchor_rl.anchors.priors import KNNPrior, evaluate_prior, prior_metrics
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.methods.v05_config import V05Config
-from anchor_rl.rollout.engine import group_requests
-from anchor_rl.tasks.base import Record
-from anchor_rl.trainer.collect import sampling_params, score
-from anchor_rl.trainer.component import Component, Setup
-from anchor_rl.trainer.logging import read_jsonl
-from anchor_rl.trainer.v05 import (
-    V05,
+from anchor_rl.errors import ConfigError
+from anchor_rl.methods.v05 import (
     embed_groups,
     extra_counts,
     fuse_groups,
     uses_anchors,
     uses_embeddings,
 )
+from anchor_rl.methods.v05_config import V05Config
+from anchor_rl.rollout.engine import group_requests
+from anchor_rl.section import Section
+from anchor_rl.tasks.base import Record
+from anchor_rl.trainer.collect import sampling_params, score
+from anchor_rl.trainer.component import Component, Setup, register_component
+from anchor_rl.trainer.logging import read_jsonl
+from anchor_rl.trainer.v05 import V05
 
 PROBE_FILE = "probe.jsonl"
+
+
+class ProbeSettings(Section):
+    """The probe's settings (``component_args.v05_probe.KEY=value``)."""
+
+    every: int = Field(10, gt=0)
+    """Probe before steps 1, 1 + E, 1 + 2E, ... (E = this)."""
+    prompts: int = Field(32, gt=0)
+    """Training prompts in the fixed probe set."""
+    truth: int = Field(64, gt=1)
+    """Ground-truth rollouts per probe prompt (apart from the k_max the baselines use)."""
+    heldout: int = Field(64, ge=0)
+    """Held-out (test) prompts on which the knn prior's AUC and calibration are measured; 0
+    skips that part."""
+    heldout_truth: int = Field(32, gt=1)
+    """Ground-truth rollouts per held-out prompt."""
 
 
 def methods(k: int, k_max: int) -> tuple[str, ...]:
@@ -70,9 +93,9 @@ def methods(k: int, k_max: int) -> tuple[str, ...]:
     )
 
 
-def probe_due(vc: V05Config, step: int) -> bool:
-    """Whether the probe runs before training step ``step`` (1-based)."""
-    return vc.probe_every > 0 and (step - 1) % vc.probe_every == 0
+def probe_due(every: int, step: int) -> bool:
+    """Whether a probe run every ``every`` steps runs before training step ``step`` (1-based)."""
+    return (step - 1) % every == 0
 
 
 def probe_records(records: Sequence[Record], n: int) -> list[Record]:
@@ -155,12 +178,31 @@ def baseline_errors(
     return out
 
 
+@register_component("v05_probe")
 class V05Probe(Component):
-    """The probe as a component of a V0.5 run: :meth:`before_step` probes when due."""
+    """The probe as a component of a V0.5 run: :meth:`before_step` probes when due.
+
+    ``settings``: the fields of :class:`ProbeSettings`. The run's ``v05`` component (built
+    before it) supplies the prompts, the prior and the anchors it probes.
+    """
 
     name = "v05_probe"
 
-    def __init__(self, setup: Setup, v05: V05) -> None:
+    def __init__(self, setup: Setup, **settings: Any) -> None:
+        try:
+            self.settings = ProbeSettings(**settings)
+        except ValidationError as exc:
+            why = "; ".join(
+                f"component_args.v05_probe.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ConfigError(why) from None
+        v05 = setup.components.get("v05")
+        if not isinstance(v05, V05):
+            raise ConfigError(
+                "the v05_probe component measures V0.5's baselines: it needs "
+                "advantage.estimator=v05"
+            )
         self.cfg, self.task, self.policy = setup.cfg, setup.task, setup.policy
         self.engine, self.run_dir, self.v05 = setup.engine, setup.run_dir, v05
 
@@ -168,7 +210,7 @@ class V05Probe(Component):
         """Probe before training step ``index`` when due (see the module docstring); ``{}``
         otherwise. Appends the record to ``RUN_DIR/probe.jsonl`` (dropping records of this
         step or later a stopped run left behind) and returns ``probe/*`` scalars."""
-        if not probe_due(self.cfg.v05, index):
+        if not probe_due(self.settings.every, index):
             return {}
         return self.probe(index)
 
@@ -195,9 +237,10 @@ class V05Probe(Component):
         """Probe the baselines before training step ``step`` (see the module docstring)."""
         cfg, state = self.cfg, self.v05
         vc, k_init, started = cfg.v05, cfg.rollout.n, time.perf_counter()
-        records = probe_records(state.records, vc.probe_prompts)
+        probe = self.settings
+        records = probe_records(state.records, probe.prompts)
         ids = [r.id for r in records]
-        rewards, batch = self._sample(records, vc.k_max + vc.probe_truth, step, "train")
+        rewards, batch = self._sample(records, vc.k_max + probe.truth, step, "train")
         pool, truth = rewards[:, : vc.k_max], rewards[:, vc.k_max :]
         emb = embed_groups(self.policy, batch, len(records))
         prior = state.prior.predict(ids, emb if uses_embeddings(vc) else None)
@@ -209,12 +252,12 @@ class V05Probe(Component):
             "prompts": len(records),
             "k_init": k_init,
             "k_max": vc.k_max,
-            "truth_rollouts": vc.probe_truth,
+            "truth_rollouts": probe.truth,
             "methods": baseline_errors(pool, truth, prior, anchor, vc, k_init),
             "prior_probe": _clean(_scored_prior(prior, truth, vc)),
         }
         rollouts = rewards.numel()
-        if vc.probe_heldout:
+        if probe.heldout:
             held, held_rollouts = self._heldout(emb, ids, truth, step)
             record |= held
             rollouts += held_rollouts
@@ -241,10 +284,10 @@ class V05Probe(Component):
     ) -> tuple[dict[str, Any], int]:
         """Prior metrics on held-out prompts: a knn over the probe set's truths, and the run's
         prior when it generalises across prompts (knn-based). Returns them and the rollouts."""
-        vc = self.cfg.v05
-        records = self.task.records("test")[: vc.probe_heldout]
+        vc, probe = self.cfg.v05, self.settings
+        records = self.task.records("test")[: probe.heldout]
         ids = [r.id for r in records]
-        rewards, batch = self._sample(records, vc.probe_heldout_truth, step, "test")
+        rewards, batch = self._sample(records, probe.heldout_truth, step, "test")
         emb = embed_groups(self.policy, batch, len(records))
         true, outcomes = rewards.double().mean(1), list(rewards)
         knn = KNNPrior(
@@ -254,7 +297,7 @@ class V05Probe(Component):
         knn.update(probe_ids, list(probe_truth), probe_emb)
         out: dict[str, Any] = {
             "heldout_prompts": len(records),
-            "heldout_truth_rollouts": vc.probe_heldout_truth,
+            "heldout_truth_rollouts": probe.heldout_truth,
             "knn_heldout": _clean(evaluate_prior(knn, ids, true, emb, outcomes)),
         }
         if uses_embeddings(vc):

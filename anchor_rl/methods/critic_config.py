@@ -13,10 +13,11 @@ it off). The other four are in other sections: ``loss.clip_high``, ``loss.agg``,
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.section import Section
 
 Lambda = Annotated[float, Field(ge=0, le=1)]
@@ -27,6 +28,10 @@ out here: this module imports no torch)."""
 
 class CriticConfig(Section):
     """The critic of GAE (`advantage.estimator = "gae"`): model, optimiser, lambdas, value pretraining."""
+
+    method: ClassVar[str] = "the critic"
+    enable: ClassVar[str] = "advantage.estimator=gae"
+    unused: ClassVar[str] = "advantage.estimator={est} has no critic (it does not read values)"
 
     mode: Literal["separate", "shared"] = "separate"
     """`separate`: a copy of the initial policy's backbone with a value head (PPO, VAPO).
@@ -62,3 +67,14 @@ class CriticConfig(Section):
     pretrain_ev_threshold: float | None = Field(None, le=1)
     """Stop value pretraining early at the first step whose explained variance (measured on
     the fresh batch before training on it) reaches this; None: run all pretrain_steps."""
+
+    def errors(self) -> list[str]:
+        """The settings of a run with a critic that have no effect (empty: none)."""
+        errors = []
+        if self.policy_lam != "adaptive" and (names := changed(self, ("lam_alpha", "lam_min"))):
+            why = "they shape the length-adaptive lambda: set critic.policy_lam=adaptive"
+            errors.append(no_effect("critic", names, why))
+        if self.pretrain_steps == 0 and changed(self, ("pretrain_ev_threshold",)):
+            why = "critic.pretrain_steps=0 switches value pretraining off"
+            errors.append(no_effect("critic", ["pretrain_ev_threshold"], why))
+        return errors

@@ -11,13 +11,18 @@ the rollouts reject the prior.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from anchor_rl.methods.knobs import changed, no_effect
+from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.section import Section
 
 PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
+
+ANCHOR_KNOBS = ("m", "prompts", "store", "presample_batch", "presample_seed")
+"""The ``pvpo`` knobs V0.5's anchor prior reads (the presampling of the static anchors)."""
 
 
 def check_reward_range(value: tuple[float, float]) -> tuple[float, float]:
@@ -30,8 +35,12 @@ def check_reward_range(value: tuple[float, float]) -> tuple[float, float]:
 
 
 class V05Config(Section):
-    """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model, the rollout
-    budget and the baseline-MSE probe; `rollout.n` is k_init."""
+    """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model and the rollout
+    budget; `rollout.n` is k_init."""
+
+    method: ClassVar[str] = "V0.5"
+    enable: ClassVar[str] = "advantage.estimator=v05"
+    unused: ClassVar[str] = "advantage.estimator={est} is not V0.5"
 
     prior: PriorName = "anchor+history"
     """The prior V: `anchor` (PVPO's static anchor: the reference's mean reward over `pvpo.m`
@@ -62,21 +71,40 @@ class V05Config(Section):
     """`knn` prior: neighbours per prediction."""
     knn_temperature: float = Field(0.1, gt=0)
     """`knn` prior: kernel temperature over cosine similarity."""
-    probe_every: int = Field(0, ge=0)
-    """Baseline-MSE probe before steps 1, 1 + E, 1 + 2E, ... (E = this; 0: off): the baselines each
-    method would give a fixed prompt set, against ground truth from the current policy. Its
-    rollouts are counted apart (probe/rollouts) and it never changes training."""
-    probe_prompts: int = Field(32, gt=0)
-    """Probe: training prompts in the fixed probe set."""
-    probe_truth: int = Field(64, gt=1)
-    """Probe: ground-truth rollouts per probe prompt (apart from the k_max the baselines use)."""
-    probe_heldout: int = Field(64, ge=0)
-    """Probe: held-out (test) prompts on which the knn prior's AUC and calibration are measured;
-    0 skips that part."""
-    probe_heldout_truth: int = Field(32, gt=1)
-    """Probe: ground-truth rollouts per held-out prompt."""
 
     @field_validator("reward_range")
     @classmethod
     def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
         return check_reward_range(value)
+
+    def errors(self, pvpo: PVPOConfig, *, n: int, budget: str, overlong_cache: float) -> list[str]:
+        """The settings of a V0.5 run that cannot mean what the user thinks (empty: none).
+
+        pvpo: the run's ``pvpo`` section (the anchor prior's presampling); n: k_init
+        (``rollout.n``); budget: ``rollout.budget``; overlong_cache: ``reward.overlong_cache``.
+        """
+        errors = []
+        lo, hi = self.reward_range
+        if self.prior.split("+")[0] == "anchor" and pvpo.refresh_every:
+            errors.append(
+                "v05.prior uses the static anchor, which V0.5 does not refresh: set "
+                "pvpo.refresh_every=0 (the history layer follows the policy instead)"
+            )
+        if n > self.k_max:
+            errors.append(f"rollout.n (k_init) = {n} exceeds v05.k_max = {self.k_max}")
+        if overlong_cache > 0 and lo > -1:
+            errors.append(
+                "reward.overlong_cache punishes overlong responses down to -1, below "
+                f"v05.reward_range={list(self.reward_range)}: set v05.reward_range=[-1, {hi}]"
+            )
+        if budget != "adaptive" and (names := changed(self, ("cost", "top_up_rounds"))):
+            errors.append(
+                no_effect("v05", names, 'they size top-ups: set rollout.budget="adaptive"')
+            )
+        knn = ("knn_window", "knn_top_k", "knn_temperature")
+        if self.prior.split("+")[0] != "knn" and (names := changed(self, knn)):
+            errors.append(no_effect("v05", names, f"v05.prior={self.prior} has no knn base"))
+        history = ("history_strength", "history_gamma")
+        if "history" not in self.prior and (names := changed(self, history)):
+            errors.append(no_effect("v05", names, f"v05.prior={self.prior} has no history layer"))
+        return errors

@@ -68,6 +68,9 @@ class Setup:
     generator: torch.Generator
     resuming: bool = False
     reference: PreTrainedModel | None = None
+    components: dict[str, Component] = field(default_factory=dict)
+    """The method components built so far, by name (``run.build_components`` fills it): a
+    component added by ``components`` finds those built before it here."""
 
     def get_reference(self) -> PreTrainedModel:
         """The frozen reference policy, loaded once (shared with the KL term)."""

@@ -13,28 +13,19 @@ separate sections, and a preset only sets the knobs its paper sets.
 from __future__ import annotations
 
 import difflib
-import inspect
-import tomllib
-import typing
 from collections.abc import Iterator, Mapping, Sequence
-from importlib import resources
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from anchor_rl.errors import AnchorRLError, ConfigError
+from anchor_rl.errors import ConfigError
 from anchor_rl.methods.critic_config import CriticConfig
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.section import Section
+from anchor_rl.trainer.plugins import check_registered, load_plugin
+from anchor_rl.trainer.presets import parse_override, read_preset
+from anchor_rl.trainer.rules import combination_errors
 
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -72,7 +63,7 @@ class RolloutConfig(Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
-        return _registered("engine", value)
+        return check_registered("engine", value)
 
 
 class RewardConfig(Section):
@@ -138,35 +129,6 @@ class FilterConfig(Section):
         return "none" if value is None else value  # `filter.kind=none` parses as None
 
 
-def engines() -> Any:
-    """The engine registry with the built-in engines registered: ``hf``, ``http``
-    (anchor_rl.rollout.http) and ``ray`` (anchor_rl.cluster, Ray imported only when used)."""
-    import anchor_rl.cluster  # noqa: F401  (registers "ray")
-    import anchor_rl.rollout.http  # noqa: F401  (registers "http")
-    from anchor_rl.rollout.engine import ENGINES
-
-    return ENGINES
-
-
-def _registered(kind: str, name: str) -> str:
-    """``name`` if it is a registered ``estimator``, ``policy loss``, ``engine`` or
-    ``component``; the registries are imported here, at validation, so importing the config
-    needs no torch."""
-    if kind == "engine":
-        registry = engines()
-    elif kind == "component":
-        from anchor_rl.trainer.registry import COMPONENTS as registry
-    elif kind == "estimator":
-        from anchor_rl.algos.registry import ESTIMATORS as registry
-    else:
-        from anchor_rl.algos.registry import POLICY_LOSSES as registry
-    try:
-        registry.lookup(name)
-    except KeyError as exc:
-        raise ValueError(exc.args[0]) from None
-    return name
-
-
 class AdvantageConfig(Section):
     """The baseline source: which estimator of anchor_rl.algos.registry turns rewards into advantages."""
 
@@ -183,7 +145,7 @@ class AdvantageConfig(Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, value: str) -> str:
-        return _registered("estimator", value)
+        return check_registered("estimator", value)
 
 
 class KLConfig(Section):
@@ -224,7 +186,7 @@ class LossConfig(Section):
     @field_validator("policy_loss")
     @classmethod
     def _known_loss(cls, value: str) -> str:
-        return _registered("policy loss", value)
+        return check_registered("policy loss", value)
 
 
 class OptimConfig(Section):
@@ -265,25 +227,25 @@ class OptimConfig(Section):
     restarting per row (Llama-architecture models; fails for others); `off`: left-padded
     prompts and right-padded responses; `auto`: padding-free where the model allows, except
     on a GPU, where a pass packs only if its forward is >= 0.5 TFLOP (2 x parameters x
-    tokens) and padding would compute >= 1.2x the packed cells (smaller passes wait on
-    kernel launches there; measured on an H100). The two agree within float rounding (1e-5 on log-probs); packing skips the
+    tokens) and padding would compute >= 1.2x the packed cells (docs/results.md, "The update's
+    layouts on a GPU"). The two agree within float rounding (1e-5 on log-probs); packing skips the
     padding's compute."""
     shared_prefix: Literal["auto", "on", "off"] = "auto"
     """Score each distinct prompt once for all the responses that share it (a GRPO group's
     n responses pay for their prompt once, in the forward and the backward pass), the
     responses attending to its keys and values; the policy, the reference and the critic
     (PPO, VAPO). `auto`: on the CPU, in every padding-free pass where a prompt repeats and
-    the model's layers are plain Llama layers; on a GPU never (measured on an H100 it was
-    1.2-2.0x slower than the best layout in 7 of 8 cases); `on`: in every policy pass (fails
-    for other models; the critic treats it as `auto`); `off`: never. Agrees with the other
+    the model's layers are plain Llama layers; on a GPU never (docs/results.md, "The update's
+    layouts on a GPU"); `on`: in every policy pass (fails for other models; the critic
+    treats it as `auto`); `off`: never. Agrees with the other
     layouts within float rounding (1e-5 on log-probs); needs `padding_free` auto or on."""
     autocast: Literal["off", "bf16"] = "off"
     """`bf16`: the policy's and the reference's forward passes (re-scoring, reference
     scoring, the update) under torch.autocast with bfloat16: bf16 matmuls, float32
-    weights, gradients, optimiser state and log-softmax. Per-token log-probs move by ~2e-3
-    on average against float32 (up to ~0.25 on rare tokens; docs/results.md, "bf16"), and
-    a bf16 forward depends on which rows share it, so the re-scored ratio starts at 1 only
-    within ~2e-2 (exactly 1 with the single-pass update of `rescore = auto`). The critic stays
+    weights, gradients, optimiser state and log-softmax. Per-token log-probs move against
+    float32 (docs/results.md, "bf16"), and a bf16 forward depends on which rows share it, so
+    the re-scored ratio starts at 1 only within rounding (exactly 1 with the single-pass
+    update of `rescore = auto`). The critic stays
     float32; the engine samples in float32 unless `rollout.engine_args.precision=bf16`.
     `off`: float32 throughout."""
 
@@ -332,55 +294,6 @@ class LogConfig(Section):
     """MLflow experiment name."""
     progress: bool = True
     """Show a progress bar with the key figures."""
-
-
-def load_plugin(name: str) -> None:
-    """Import a plug-in: a module name (``my_pkg.estimators``) or a Python file
-    (``path/to/file.py``), once. Its imports register estimators, policy losses, engines
-    and components."""
-    import hashlib
-    import importlib
-    import importlib.util
-    import sys
-
-    if name.endswith(".py"):
-        path = Path(name).resolve()
-        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
-        module_name = f"anchor_rl_plugin_{path.stem}_{digest}"
-        if module_name in sys.modules:
-            return
-        if not path.is_file():
-            raise ValueError(f"plugin file {name!r} does not exist")
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise _plugin_failed(name, exc) from exc
-        return
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(
-            f"plugin {name!r} cannot be imported ({exc}); name an importable module or a .py file"
-        ) from None
-    except Exception as exc:
-        raise _plugin_failed(name, exc) from exc
-
-
-def _plugin_failed(name: str, exc: Exception) -> AnchorRLError:
-    """The error for a plugin whose own code raised on import: names the plugin, the line."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-    return AnchorRLError(
-        f"plugin {name!r} raised {type(exc).__name__}: {exc}{where} while importing "
-        "(--debug shows the traceback)"
-    )
 
 
 class ClusterConfig(Section):
@@ -514,7 +427,7 @@ class TrainConfig(Section):
     def _known_components(cls, value: list[str]) -> list[str]:
         try:
             for name in value:
-                _registered("component", name)
+                check_registered("component", name)
         except ValueError as exc:
             raise ValueError(f"components: {exc} (a plugin registers it)") from None
         if len(set(value)) != len(value):
@@ -537,6 +450,22 @@ class TrainConfig(Section):
         return self.rollout.engine, dict(self.rollout.engine_args)
 
     @property
+    def methods(self) -> tuple[str, ...]:
+        """The built-in method components the run builds, in the order the loop calls them
+        (``run.build_components``): ``v05`` when the estimator reads ``baseline``, ``pvpo``
+        when it reads ``anchor`` or ``filter.kind = "group"``, ``critic`` when it reads
+        ``values`` (``gae``: PPO, VAPO)."""
+        from anchor_rl.algos.registry import get_estimator
+
+        reads = set(get_estimator(self.advantage.estimator).inputs)
+        built = {
+            "v05": "baseline" in reads,
+            "pvpo": "anchor" in reads or self.filter.kind == "group",
+            "critic": "values" in reads,
+        }
+        return tuple(name for name, on in built.items() if on)
+
+    @property
     def needs_ref(self) -> bool:
         """Whether a reference policy is loaded (KL penalised or tracked)."""
         return self.kl.coef > 0 or self.kl.track
@@ -546,386 +475,6 @@ class TrainConfig(Section):
         """DAPO's L_cache in tokens (0: no overlong punishment)."""
         frac = self.reward.overlong_cache
         return 0 if frac == 0 else max(1, round(frac * self.rollout.max_new_tokens))
-
-
-def _changed(section: BaseModel, names: tuple[str, ...] | None = None) -> list[str]:
-    """Fields of ``section`` (all, or ``names``) whose value differs from the default."""
-    fields = type(section).model_fields
-    return [
-        name
-        for name in (names or tuple(fields))
-        if getattr(section, name) != fields[name].get_default(call_default_factory=True)
-    ]
-
-
-def _no_effect(section: str, names: list[str], why: str) -> str:
-    keys = ", ".join(f"{section}.{n}" for n in names)
-    return f"{keys} {'has' if len(names) == 1 else 'have'} no effect: {why}"
-
-
-def combination_errors(cfg: TrainConfig) -> list[str]:
-    """Settings that cannot mean what the user thinks (empty: none); each message names the
-    field and the fix. docs/training.md ("Refused combinations") lists every rule.
-
-    A setting the run ignores is refused when it differs from its default (a preset that
-    writes a default value out is not an error); the method components a run builds follow
-    from the estimator's inputs (``run.build_components``).
-    """
-    from anchor_rl.algos.registry import get_estimator
-
-    errors: list[str] = []
-    est = cfg.advantage.estimator
-    reads = set(get_estimator(est).inputs)
-    critic = "values" in reads  # the components the run builds (run.build_components)
-    pvpo = "anchor" in reads or cfg.filter.kind == "group"
-    v05 = "baseline" in reads
-    vc, pc, cc = cfg.v05, cfg.pvpo, cfg.critic
-    v05_anchor = v05 and vc.prior.split("+")[0] == "anchor"
-
-    # --- sections the run does not use ---------------------------------------------------
-    if not critic and (names := _changed(cc)):
-        errors.append(
-            _no_effect(
-                "critic",
-                names,
-                f"advantage.estimator={est} has no critic "
-                "(it does not read values); drop them or use advantage.estimator=gae",
-            )
-        )
-    if not v05 and (names := _changed(vc)):
-        errors.append(
-            _no_effect(
-                "v05",
-                names,
-                f"advantage.estimator={est} is not V0.5; drop them or use advantage.estimator=v05",
-            )
-        )
-    if not pvpo and not v05_anchor and (names := _changed(pc)):
-        errors.append(
-            _no_effect(
-                "pvpo",
-                names,
-                "the run presamples no anchors; drop them or "
-                "use advantage.estimator=pvpo or filter.kind=group",
-            )
-        )
-    if not pvpo and v05_anchor:
-        group_only = ("teacher", "teacher_model", "teacher_tries", "keep_unsolved", "refresh_mode")
-        if names := _changed(pc, group_only):
-            errors.append(
-                _no_effect(
-                    "pvpo",
-                    names,
-                    "V0.5's anchor prior uses only pvpo.m, pvpo.prompts, pvpo.store, "
-                    "pvpo.presample_batch and pvpo.presample_seed; the rest belongs to "
-                    "group sampling (filter.kind=group)",
-                )
-            )
-    if v05_anchor and pc.refresh_every:
-        errors.append(
-            "v05.prior uses the static anchor, which V0.5 does not refresh: set "
-            "pvpo.refresh_every=0 (the history layer follows the policy instead)"
-        )
-
-    # --- estimator and filter ------------------------------------------------------------
-    if cfg.rollout.n == 1 and "index" in reads:
-        errors.append(
-            f"rollout.n=1 with advantage.estimator={est}: a group of one response is "
-            "its own baseline, so every advantage is 0; set rollout.n >= 2"
-        )
-    if cfg.filter.kind == "dynamic" and reads & {"anchor", "baseline"}:
-        errors.append(
-            f"filter.kind=dynamic with advantage.estimator={est}: dynamic sampling "
-            "drops groups whose responses all score alike, which carry gradient against "
-            "a per-prompt baseline (r - V is not 0); use filter.kind=group or none"
-        )
-    if cfg.filter.kind != "dynamic" and (names := _changed(cfg.filter, ("max_rounds", "metric"))):
-        errors.append(
-            _no_effect(
-                "filter",
-                names,
-                f"only dynamic sampling reads {'it' if len(names) == 1 else 'them'}; "
-                f"set filter.kind=dynamic or drop {'it' if len(names) == 1 else 'them'}",
-            )
-        )
-    if "gamma" not in reads and _changed(cfg.advantage, ("gamma",)):
-        errors.append(
-            _no_effect(
-                "advantage",
-                ["gamma"],
-                f"advantage.estimator={est} has no token returns to discount",
-            )
-        )
-    if cfg.optim.shared_prefix == "on" and cfg.optim.padding_free == "off":
-        errors.append(
-            "optim.shared_prefix=on with optim.padding_free=off: the shared-prefix forward is "
-            "padding-free; set optim.padding_free=auto or optim.shared_prefix=off"
-        )
-    uses_ref = cfg.needs_ref or pvpo or v05_anchor
-    if cfg.ref_model is not None and not uses_ref:
-        errors.append(
-            "ref_model has no effect: nothing reads a reference (kl.coef=0, "
-            "kl.track=false, no anchors); drop it or set kl.coef or kl.track=true"
-        )
-
-    # --- the adaptive budget and V0.5 ------------------------------------------------------
-    if cfg.rollout.budget == "adaptive" and not v05:
-        errors.append(
-            'rollout.budget="adaptive" sizes the budget from a V0.5 prior: it needs '
-            f'advantage.estimator="v05" (got {est!r})'
-        )
-    if v05:
-        lo, hi = vc.reward_range
-        if cfg.rollout.n > vc.k_max:
-            errors.append(f"rollout.n (k_init) = {cfg.rollout.n} exceeds v05.k_max = {vc.k_max}")
-        if cfg.reward.overlong_cache > 0 and lo > -1:
-            errors.append(
-                "reward.overlong_cache punishes overlong responses down to -1, below "
-                f"v05.reward_range={list(vc.reward_range)}: set v05.reward_range=[-1, {hi}]"
-            )
-        if cfg.rollout.budget != "adaptive" and (names := _changed(vc, ("cost", "top_up_rounds"))):
-            errors.append(
-                _no_effect("v05", names, 'they size top-ups: set rollout.budget="adaptive"')
-            )
-        if vc.prior.split("+")[0] != "knn" and (
-            names := _changed(vc, ("knn_window", "knn_top_k", "knn_temperature"))
-        ):
-            errors.append(_no_effect("v05", names, f"v05.prior={vc.prior} has no knn base"))
-        if "history" not in vc.prior and (
-            names := _changed(vc, ("history_strength", "history_gamma"))
-        ):
-            errors.append(_no_effect("v05", names, f"v05.prior={vc.prior} has no history layer"))
-        probe = ("probe_prompts", "probe_truth", "probe_heldout", "probe_heldout_truth")
-        if not vc.probe_every and (names := _changed(vc, probe)):
-            errors.append(_no_effect("v05", names, "v05.probe_every=0 switches the probe off"))
-
-    # --- PVPO ----------------------------------------------------------------------------
-    if pvpo:
-        http = pc.teacher is not None and pc.teacher.startswith("http:")
-        sampled = pc.teacher is not None and pc.teacher.split(":")[0] in ("hf", "http")
-        if pc.teacher_model is not None and not http:
-            errors.append(
-                _no_effect("pvpo", ["teacher_model"], "it names the model an http: teacher serves")
-            )
-        if not sampled and _changed(pc, ("teacher_tries",)):
-            errors.append(
-                _no_effect("pvpo", ["teacher_tries"], f"pvpo.teacher={pc.teacher} does not sample")
-            )
-        if cfg.filter.kind != "group" and (
-            names := _changed(pc, ("teacher", "teacher_model", "teacher_tries", "keep_unsolved"))
-        ):
-            errors.append(
-                _no_effect(
-                    "pvpo",
-                    names,
-                    "teachers and unsolved prompts belong to group sampling: set filter.kind=group",
-                )
-            )
-        if not pc.refresh_every and _changed(pc, ("refresh_mode",)):
-            errors.append(
-                _no_effect("pvpo", ["refresh_mode"], "pvpo.refresh_every=0 never refreshes")
-            )
-        if cfg.filter.kind == "group" and pc.teacher is not None and cfg.rollout.n < 2:
-            errors.append(
-                f"rollout.n=1 with pvpo.teacher={pc.teacher}: a teacher trajectory replaces one "
-                "of its group's n rollouts, here the policy's only one; set rollout.n >= 2 or "
-                "pvpo.teacher=none"
-            )
-        if "anchor" in reads and cfg.reward.overlong_cache > 0:
-            errors.append(
-                f"reward.overlong_cache={cfg.reward.overlong_cache} with advantage.estimator="
-                f"{est}: the static anchor is the reference's mean task reward, without the "
-                "overlong punishment the training reward gets, so every advantage r - V_sta "
-                "would carry the mean punishment; drop reward.overlong_cache"
-            )
-        if pc.teacher == "oracle:reference" and cfg.rollout.top_p < 1:
-            errors.append(
-                "pvpo.teacher=oracle:reference scores the trace without a nucleus, so "
-                "with rollout.top_p < 1 its pi_gt is not the distribution the reference "
-                "samples from; use pvpo.teacher=oracle or rollout.top_p=1"
-            )
-
-    if cfg.cluster.rollout_workers and cfg.rollout.engine not in ("hf", "ray"):
-        errors.append(
-            f"cluster.rollout_workers runs the built-in engine in Ray actors, not "
-            f"rollout.engine={cfg.rollout.engine}: drop one of them"
-        )
-    if not cfg.cluster.rollout_workers and _changed(cfg.cluster, ("address",)):
-        errors.append(_no_effect("cluster", ["address"], "cluster.rollout_workers=0 uses no Ray"))
-    name, options = cfg.engine
-    signature = inspect.signature(engines().lookup(name))
-    try:
-        signature.bind(None, None, **options)
-    except TypeError as exc:
-        takes = ", ".join(list(signature.parameters)[2:]) or "no options"
-        errors.append(f"rollout.engine_args: {exc} (the {name!r} engine takes {takes})")
-    else:
-        errors += _engine_option_errors(name, engines().lookup(name), options)
-    if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
-        errors.append(f"component_args names {unlisted}, which components does not list")
-
-    if cfg.cluster.rollout_workers and {"workers", "address"} & set(cfg.rollout.engine_args):
-        errors.append(
-            "rollout.engine_args.workers / .address with cluster.rollout_workers: the cluster "
-            "section sets them (cluster.rollout_workers, cluster.address); set them there, or "
-            "name the engine directly (rollout.engine=ray) without cluster.rollout_workers"
-        )
-    if cfg.cluster.async_steps:
-        if cfg.engine[0] != "ray":
-            errors.append(
-                "cluster.async_steps needs cluster.rollout_workers > 0 (or rollout.engine=ray): "
-                "rollouts sampled in this process cannot overlap its update"
-            )
-        if cfg.rollout.top_p < 1:
-            errors.append(
-                "cluster.async_steps needs rollout.top_p = 1: the engine's log-probs are of the "
-                "nucleus-renormalised distribution, which the update's ratio cannot divide by"
-            )
-        if cfg.cluster.async_correction != "tis" and _changed(cfg.cluster, ("tis_cap",)):
-            errors.append(_no_effect("cluster", ["tis_cap"], "set cluster.async_correction=tis"))
-    elif names := _changed(cfg.cluster, ("async_correction", "tis_cap")):
-        errors.append(_no_effect("cluster", names, "they correct asynchronous rollouts"))
-
-    if cfg.cluster.learner_sharding == "fsdp":
-        if cfg.cluster.learners < 2:
-            errors.append(
-                _no_effect("cluster", ["learner_sharding"], "it shards over cluster.learners > 1")
-            )
-        if critic and cfg.critic.mode == "shared":
-            errors.append(
-                "cluster.learner_sharding=fsdp shards a separate critic only: a shared critic's "
-                "value head runs on the policy's body outside the module FSDP gathers through; "
-                "set critic.mode=separate or cluster.learner_sharding=replicate"
-            )
-        if cfg.optim.padding_free == "on":
-            errors.append(
-                "cluster.learner_sharding=fsdp scores the update padded (the packed forward "
-                "bypasses the root module FSDP gathers through): set optim.padding_free=auto or off"
-            )
-        if cfg.optim.shared_prefix == "on":
-            errors.append(
-                "cluster.learner_sharding=fsdp scores the update padded (the shared-prefix "
-                "forward runs the layers' parts, which FSDP does not gather): set "
-                "optim.shared_prefix=auto or off"
-            )
-    if cfg.cluster.learners > 1 and not cfg.device.startswith("cpu"):
-        errors.append(
-            f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "
-            "gloo on the CPU; NCCL ranks, one GPU each, are open work); use device=cpu"
-        )
-
-    # --- the critic ------------------------------------------------------------------------
-    if critic:
-        if cc.policy_lam != "adaptive" and (names := _changed(cc, ("lam_alpha", "lam_min"))):
-            errors.append(
-                _no_effect(
-                    "critic",
-                    names,
-                    "they shape the length-adaptive lambda: set critic.policy_lam=adaptive",
-                )
-            )
-        if cc.pretrain_steps == 0 and _changed(cc, ("pretrain_ev_threshold",)):
-            errors.append(
-                _no_effect(
-                    "critic",
-                    ["pretrain_ev_threshold"],
-                    "critic.pretrain_steps=0 switches value pretraining off",
-                )
-            )
-    return errors
-
-
-def _engine_option_errors(name: str, factory: Any, options: Mapping[str, Any]) -> list[str]:
-    """``rollout.engine_args.KEY=value: why`` for each option whose value the engine's factory
-    annotation rejects (``decode``'s modes, ``max_batch`` >= 1...), so that it fails with the
-    config rather than after the model is loaded. Options the run sets itself (the cluster
-    section's ``workers``, ``address``) are named as such by the check that follows."""
-    try:
-        target = factory.__init__ if inspect.isclass(factory) else factory
-        hints = typing.get_type_hints(target, include_extras=True)
-    except (NameError, TypeError):  # annotations this process cannot resolve: the engine checks
-        return []
-    errors = []
-    for key, value in options.items():
-        if key not in hints:
-            continue
-        try:
-            TypeAdapter(hints[key]).validate_python(value, strict=True)  # passed unconverted
-        except ValidationError as exc:
-            why = "; ".join(e["msg"] for e in exc.errors())
-            errors.append(f"rollout.engine_args.{key}={value!r}: {why} (the {name!r} engine)")
-    return errors
-
-
-# --- presets and overrides -------------------------------------------------------------
-
-
-def builtin_names(package: str, folder: str) -> list[str]:
-    """Names of the built-in TOML files in ``package``/``folder`` (presets, suites)."""
-    files = resources.files(package) / folder
-    return sorted(p.name.removesuffix(".toml") for p in files.iterdir() if p.name.endswith(".toml"))
-
-
-def read_builtin_toml(
-    kind: str, package: str, folder: str, name_or_path: str, others: Sequence[str] = ()
-) -> tuple[dict[str, Any], str]:
-    """``(table, name)`` of a built-in ``kind`` (``preset``, ``suite``) by name, or of a TOML
-    file by path; ConfigError naming the built-in ones (with ``others``, the names the
-    command takes besides its files) or the TOML error. A path (a name ending in ``.toml``
-    or holding a directory) that names no TOML file is reported as such, not as a name."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" and path.is_file():
-        text, name = path.read_text(), path.stem
-    elif path.suffix == ".toml" or len(path.parts) > 1:  # a path, not a name
-        what = (
-            "does not exist" if not path.exists()
-            else "is a directory" if path.is_dir() else "does not end in .toml"
-        )  # fmt: skip
-        raise ConfigError(f"{kind} file {name_or_path} {what}; give the path of a .toml file")
-    else:
-        file = resources.files(package) / folder / f"{name_or_path}.toml"
-        if not file.is_file():
-            names = sorted({*builtin_names(package, folder), *others})
-            raise ConfigError(
-                f"unknown {kind} {name_or_path!r}; built-in {kind}s: "
-                f"{', '.join(names)} (or pass a path to a .toml file)"
-            )
-        text, name = file.read_text(), name_or_path
-    try:
-        return tomllib.loads(text), name
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{kind} {name_or_path!r} is not valid TOML: {e}") from e
-
-
-def preset_names() -> list[str]:
-    """Names of the built-in presets."""
-    return builtin_names("anchor_rl.trainer", "presets")
-
-
-def read_preset(name_or_path: str) -> dict[str, Any]:
-    """The raw table of a built-in preset name or a TOML file path, with `preset` set."""
-    table, name = read_builtin_toml("preset", "anchor_rl.trainer", "presets", name_or_path)
-    table.setdefault("preset", name)
-    return table
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``key=value`` into the dotted key and a typed value.
-
-    The value is read as a TOML value when it is one (``8``, ``0.04``, ``true``, ``"a b"``,
-    ``[0.9, 0.99]``), ``none``/``null`` gives None, and anything else is kept as a string
-    (``model=sft:tiny``). The config's field types then coerce and check it.
-    """
-    key, sep, raw = text.partition("=")
-    key, raw = key.strip(), raw.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {text!r} is not of the form key=value")
-    if raw.lower() in {"none", "null"}:
-        return key, None
-    try:
-        return key, tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key, raw
 
 
 def field_paths(model: type[BaseModel] = TrainConfig, prefix: str = "") -> Iterator[str]:

@@ -25,8 +25,9 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from anchor_rl.algos.registry import get_estimator
 from anchor_rl.allocator import keep_freed_memory
+from anchor_rl.cluster.asynchronous import PrefetchingEngine
+from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
 from anchor_rl.rollout.engine import Engine, close_engine, make_engine
@@ -37,18 +38,15 @@ from anchor_rl.tasks import TASKS, get_task
 from anchor_rl.tasks.base import Task
 from anchor_rl.tasks.reward_set import with_rewards
 from anchor_rl.trainer import checkpoint
-from anchor_rl.trainer.asynchronous import PrefetchingEngine
 from anchor_rl.trainer.component import COMPONENTS, Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
-from anchor_rl.trainer.learners import LearnerGroup
 from anchor_rl.trainer.logging import METRICS_FILE, jsonl_path
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors
 from anchor_rl.trainer.state import TrainState
 from anchor_rl.trainer.update import make_optimizer
 from anchor_rl.trainer.v05 import V05
-from anchor_rl.trainer.v05_probe import V05Probe
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -387,41 +385,29 @@ def write_summary(run: Run, last: dict[str, float]) -> None:
 def build_components(setup: Setup) -> dict[str, Component]:
     """The run's method components, in the order the loop calls them.
 
-    A component is built when the estimator reads an input only it supplies, or when its
-    own settings ask for it:
-
-    =============  ====================================================================
-    ``v05``        the estimator reads ``baseline`` (``advantage.estimator = "v05"``)
-    ``v05_probe``  the ``v05`` component is there and ``v05.probe_every > 0``
-    ``pvpo``       the estimator reads ``anchor``, or ``filter.kind = "group"``
-    ``critic``     the estimator reads ``values`` (``gae``: PPO, VAPO)
-    (any)          named in ``components``: a registered component, built by
-                   ``factory(setup, **component_args[name])``
-    =============  ====================================================================
+    The built-in ones are ``cfg.methods`` (the estimator's inputs decide them, see
+    :attr:`~anchor_rl.trainer.config.TrainConfig.methods`); then each component named in
+    ``components``, a registered one built by ``factory(setup, **component_args[name])``,
+    which finds the components built before it in ``setup.components``.
 
     Order: V0.5 acts on a step's rollouts before PVPO injects teacher rows (its fusion and
     prior see the policy's own rollouts only); then the critic; then the added components,
     in the order ``components`` lists them.
     """
-    cfg = setup.cfg
-    reads = set(get_estimator(cfg.advantage.estimator).inputs)
-    pvpo = None
-    if "anchor" in reads or cfg.filter.kind == "group":
-        pvpo = PVPO(setup, presample_anchors(setup))
-    components: dict[str, Component] = {}
-    if "baseline" in reads:
-        v05 = components["v05"] = V05(setup, pvpo)
-        if cfg.v05.probe_every:
-            components["v05_probe"] = V05Probe(setup, v05)
+    cfg, methods = setup.cfg, setup.cfg.methods
+    pvpo = PVPO(setup, presample_anchors(setup)) if "pvpo" in methods else None
+    components = setup.components
+    if "v05" in methods:
+        components["v05"] = V05(setup, pvpo)
     if pvpo is not None:
         components["pvpo"] = pvpo
-    if "values" in reads:
+    if "critic" in methods:
         components["critic"] = PPOCritic(setup)
     for name in cfg.components:
         if name in components:
             raise ConfigError(f"components: {name!r} is a built-in component's name")
         components[name] = COMPONENTS[name](setup, **cfg.component_args.get(name, {}))
-    return components
+    return dict(components)
 
 
 def _engine(

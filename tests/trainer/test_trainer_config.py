@@ -12,10 +12,8 @@ from anchor_rl.trainer.config import (
     describe,
     field_paths,
     load_config,
-    parse_override,
-    preset_names,
-    read_preset,
 )
+from anchor_rl.trainer.presets import parse_override, preset_names, read_preset
 
 PRESETS = ["dapo", "drgrpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 """The baseline presets; PVPO, V0.5 and critic presets come with their own tests."""
@@ -232,7 +230,6 @@ def test_docs_list_every_field_with_its_default() -> None:
 REFUSED = [
     ("`critic.*` without a critic", "grpo", ["critic.lr=1e-3"], "critic.lr has no effect"),
     ("`v05.*` without V0.5", "grpo", ["v05.k_max=8"], "v05.k_max has no effect"),
-    ("`v05.probe_every` without V0.5", "grpo", ["v05.probe_every=5"], "v05.probe_every has no effect"),
     ("`pvpo.*` without anchors", "grpo", ["pvpo.m=4"], "pvpo.m has no effect: the run presamples no anchors"),
     ("group-sampling `pvpo.*` with only V0.5's anchor prior", "v05", ["pvpo.teacher=none"],
      "uses only pvpo.m, pvpo.prompts, pvpo.store, pvpo.presample_batch and pvpo.presample_seed"),
@@ -257,7 +254,6 @@ REFUSED = [
     ("`v05.knn_*` without the knn base", "v05", ["v05.knn_top_k=4"], "has no knn base"),
     ("`v05.history_*` without the history layer", "v05", ["v05.prior=anchor", "v05.history_gamma=0.9"],
      "has no history layer"),
-    ("`v05.probe_*` with the probe off", "v05", ["v05.probe_prompts=8"], "switches the probe off"),
     ("`pvpo.teacher_model` without an http teacher", "pvpo", ["pvpo.teacher_model=big"],
      "pvpo.teacher_model has no effect"),
     ("`pvpo.teacher_tries` for a teacher that does not sample", "pvpo", ["pvpo.teacher_tries=2"], "does not sample"),

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.methods.v05 import budget_cost, build_prior
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.tasks.base import Record
@@ -18,13 +19,7 @@ from anchor_rl.trainer.component import Setup, Step
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.timing import Timer
 from anchor_rl.trainer.update import loss_mask, ppo_update, score_logprobs
-from anchor_rl.trainer.v05 import (
-    V05,
-    budget_cost,
-    build_prior,
-    merge_rows,
-    pool_response_metrics,
-)
+from anchor_rl.trainer.v05 import V05, merge_rows, pool_response_metrics
 
 V05_KEYS = {
     "v05/prior_mean", "v05/prior_gap", "v05/rejected_init_frac", "v05/rejected_frac",
@@ -285,7 +280,7 @@ def test_build_prior_composes_the_named_priors() -> None:
     ("overrides", "message"),
     [
         (["rollout.budget=adaptive"], 'needs advantage.estimator="v05"'),
-        (["v05.probe_every=5"], "v05.probe_every has no effect: advantage.estimator=grpo is not"),
+        (["v05.k_max=8"], "v05.k_max has no effect: advantage.estimator=grpo is not"),
         (["advantage.estimator=v05", "rollout.n=20"], "exceeds v05.k_max = 16"),
         (["advantage.estimator=v05", "v05.reward_range=[1, 0]"], "lo < hi"),
         (["advantage.estimator=v05", "pvpo.refresh_every=10"], "pvpo.refresh_every=0"),
@@ -300,15 +295,15 @@ def test_the_preset_sets_what_the_paper_sets() -> None:
     cfg = load_config("v05")
     assert cfg.advantage.estimator == "v05" and cfg.rollout.budget == "adaptive"
     assert cfg.rollout.n == 4 and cfg.v05.k_max == 16 and cfg.v05.sigma2 == "worst"
-    assert cfg.v05.prior == "anchor+history" and cfg.v05.probe_every == 0
+    assert cfg.v05.prior == "anchor+history"
 
 
 def test_sigma2_prior_budget_tops_up_where_the_test_rejects_a_prior_at_the_bound() -> None:
     """sigma2=prior: the variance at V = 0 is 0, so the test rejects any disagreement; the
     budget must not read that 0 as noiseless rollouts (no top-up, MSE 0) but take the worst
     case there. An accepted prior keeps its variance, and asks for nothing."""
+    from anchor_rl.methods.v05 import extra_counts, fuse_groups
     from anchor_rl.methods.v05_config import V05Config
-    from anchor_rl.trainer.v05 import extra_counts, fuse_groups
 
     vc = V05Config(sigma2="prior")
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0] + [1.0, 0.0, 1.0, 0.0])

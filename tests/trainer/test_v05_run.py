@@ -7,19 +7,21 @@ import torch
 from test_v05 import V05_KEYS
 
 from anchor_rl.anchors.priors import HistoryPrior
+from anchor_rl.bench.v05_probe import read_probe
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import resume_run, start_run
-from anchor_rl.trainer.v05_probe import read_probe
 
 STEP_KEYS = {
     "reward/mean", "accuracy", "policy/entropy", "advantage/mean", "advantage/zero_frac",
     "rollouts/cumulative", "rollouts/presample", "loss/policy", "grad_norm",
 }  # fmt: skip
 PROBE = [
-    "v05.probe_every=1", "v05.probe_prompts=3", "v05.probe_truth=4", "v05.probe_heldout=3",
-    "v05.probe_heldout_truth=4",
+    "plugins=anchor_rl.bench.v05_probe", "components=v05_probe",
+    "component_args.v05_probe.every=1", "component_args.v05_probe.prompts=3",
+    "component_args.v05_probe.truth=4", "component_args.v05_probe.heldout=3",
+    "component_args.v05_probe.heldout_truth=4",
 ]  # fmt: skip
 
 

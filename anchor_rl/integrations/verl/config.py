@@ -20,8 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
 from anchor_rl.methods.critic_config import CriticConfig
-from anchor_rl.methods.knobs import changed as _changed
-from anchor_rl.methods.knobs import no_effect as _no_effect
+from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.methods.v05_config import V05Config, check_reward_range
 from anchor_rl.section import Section
 
@@ -288,16 +287,16 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
     # knobs of the chosen method's own section that its other settings switch off (anchor-rl's
     # trainer refuses the same, trainer.config.combination_errors)
     v05, vapo = method.v05, method.vapo
-    if name == "v05" and v05.budget != "adaptive" and (names := _changed(v05, _TOP_UP_FIELDS)):
+    if name == "v05" and v05.budget != "adaptive" and (names := changed(v05, _TOP_UP_FIELDS)):
         why = "they size top-ups: set anchor_rl.v05.budget=adaptive"
-        raise ValueError(_no_effect("anchor_rl.v05", names, why))
+        raise ValueError(no_effect("anchor_rl.v05", names, why))
     if (
         name == "vapo"
         and vapo.policy_lam != "adaptive"
-        and (names := _changed(vapo, _LAMBDA_FIELDS))
+        and (names := changed(vapo, _LAMBDA_FIELDS))
     ):
         why = "they shape the length-adaptive lambda: set anchor_rl.vapo.policy_lam=adaptive"
-        raise ValueError(_no_effect("anchor_rl.vapo", names, why))
+        raise ValueError(no_effect("anchor_rl.vapo", names, why))
     estimator = select(cfg, "algorithm.adv_estimator")
     if estimator != ESTIMATORS[name]:
         raise ValueError(
