@@ -1,14 +1,12 @@
-"""Scaling out on Ray: the ``ray`` rollout engine (docs/distributed.md).
+"""Scaling a run out (the ``cluster.*`` settings, docs/distributed.md).
 
-Importing this package registers the engine, so a run names it with
-``cluster.rollout_workers=N`` (or ``rollout.engine=ray``); Ray itself is imported only when an
-engine is built. Built here: N rollout workers (Ray actors, on one machine or a cluster)
-fed the learner's weights through the object store, restarted when they die. Data-parallel
-learners are in anchor_rl.trainer.learners, asynchronous rollouts (one step off-policy, through
-``RayEngine.submit``) in anchor_rl.trainer.asynchronous; not built yet (issue 17): FSDP2, NCCL
-weight broadcast.
+:mod:`~anchor_rl.cluster.engine`: the ``ray`` rollout engine, N rollout workers (Ray actors,
+:mod:`~anchor_rl.cluster.worker`) fed the learner's weights, restarted when they die; importing
+it registers the engine (``cluster.rollout_workers=N``), Ray is imported only when one is built.
+:mod:`~anchor_rl.cluster.learners`: data-parallel learner ranks (``cluster.learners=N``, gloo),
+each running its share of an update (:mod:`~anchor_rl.cluster.data_parallel`: replicated through
+DDP or sharded by FSDP2). :mod:`~anchor_rl.cluster.asynchronous`: rollouts prefetched
+``cluster.async_steps`` steps ahead. The package sits at the trainer's layer: the learners run
+the trainer's update, and the trainer builds the engine, the learners and the prefetching.
+Not built yet (issue 17): NCCL weight broadcast.
 """
-
-from anchor_rl.cluster.engine import RayEngine, ray_engine, shard_by_group
-
-__all__ = ["RayEngine", "ray_engine", "shard_by_group"]

@@ -25,7 +25,7 @@ A rollout sent before a :meth:`RayEngine.sync_weights` (:meth:`RayEngine.submit`
 asynchronous rollouts) whose worker died before sampling it is therefore re-sampled with
 the newer weights: those rows are other responses than the lost ones, their log-probs
 (``batch.logprobs``) are the newer weights', which the asynchronous update divides by
-(:mod:`anchor_rl.trainer.asynchronous`), and they are fresher than the batch's reported
+(:mod:`anchor_rl.cluster.asynchronous`), and they are fresher than the batch's reported
 staleness, a maximum over its rows. The warning says so.
 """
 

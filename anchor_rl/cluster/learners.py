@@ -4,7 +4,7 @@ This process is rank 0: it runs the loop and holds the run's policy, optimiser a
 checkpoints. Ranks 1..N-1 are processes it spawns, each with a replica of the policy and
 its optimiser, joined by a torch.distributed process group (gloo). For every update
 rank 0 broadcasts the step's batch and mini-batch schedule; every rank then runs
-``update.ppo_update`` on its share of each mini-batch (``distributed.DataParallel``)
+``update.ppo_update`` on its share of each mini-batch (``data_parallel.DataParallel``)
 through a ``DistributedDataParallel`` replica, whose backward sums the gradients over the
 ranks, so the ranks take identical steps and rank 0's weights are what one process would
 have computed, up to float summation order. With a
@@ -21,7 +21,7 @@ before it; the critic's ``fit_values`` asks every rank, ``DataParallel.stopping`
 the step and wait for rank 0's stop.
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
-shard of the policy (``distributed.shard_model``) with its own shard of the AdamW state,
+shard of the policy (``data_parallel.shard_model``) with its own shard of the AdamW state,
 loaded from the run's optimiser through torch.distributed.checkpoint's full state dicts.
 Rank 0 keeps the run's whole policy beside its shard, for the rollouts, the scoring and
 the checkpoints: after each update the ranks gather the new weights into it, and before a
@@ -52,12 +52,12 @@ from torch.distributed import distributed_c10d
 
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster.data_parallel import DataParallel, shard_model
 from anchor_rl.errors import AnchorRLError, NonFiniteError
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
-from anchor_rl.trainer.distributed import DataParallel, shard_model
 from anchor_rl.trainer.update import make_optimizer, ppo_update
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class Shards(Protocol):
-    """This process's place among data-parallel ranks (``trainer.distributed.DataParallel``)."""
+    """This process's place among data-parallel ranks (``cluster.data_parallel.DataParallel``)."""
 
     def shard(self, rows: Tensor) -> Tensor:
         """This rank's rows of a mini-batch ``rows[M]``."""

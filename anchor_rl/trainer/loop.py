@@ -27,9 +27,9 @@ import time
 
 from anchor_rl.algos.losses import kl
 from anchor_rl.batch import minibatches
+from anchor_rl.cluster.asynchronous import truncated_is_weights
 from anchor_rl.errors import NonFiniteError
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
-from anchor_rl.trainer.asynchronous import truncated_is_weights
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import collect, prefetch_next
 from anchor_rl.trainer.component import Step
@@ -80,7 +80,7 @@ def train_step(run: Run) -> dict[str, float]:
                 logp, entropy = score_logprobs(run.policy, batch, cfg, with_entropy=True)
                 step.logp = logp
                 # asynchronous rollouts divide by the log-probs of the weights that sampled
-                # them, on every row (anchor_rl.trainer.asynchronous); tis reweights instead
+                # them, on every row (anchor_rl.cluster.asynchronous); tis reweights instead
                 behind = scored.off_policy | (stale and cfg.cluster.async_correction == "none")
                 step.old_logp = old_logp = behaviour_logprobs(logp, batch, behind)
             ref_logp = None if run.ref is None else score_logprobs(run.ref, batch, cfg)[0]

@@ -36,10 +36,10 @@ from torch import Tensor
 from anchor_rl.algos.losses import agg, kl, nll
 from anchor_rl.algos.registry import get_policy_loss
 from anchor_rl.batch import RolloutBatch, minibatches
+from anchor_rl.cluster.data_parallel import DataParallel
 from anchor_rl.errors import NonFiniteError
 from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.trainer.config import TrainConfig
-from anchor_rl.trainer.distributed import DataParallel
 
 
 @torch.no_grad()
@@ -169,7 +169,7 @@ def adamw(params: Iterable[torch.nn.Parameter], **options: Any) -> torch.optim.A
     uses too, its default ``optim="adamw_torch_fused"``); else PyTorch's default (foreach).
     Fused, a step takes about a quarter of the time on one CPU thread (``tiny``'s 1.1M
     parameters 2.2 ms instead of 8.0, ``small``'s 10.5M 19 ms instead of 86, Intel Xeon,
-    ``scripts/probe_adamw.py``). The same update up to floating-point rounding (weights
+    ``benchmarks/probe_adamw.py``). The same update up to floating-point rounding (weights
     7.5e-9 apart after ten steps); parameters sharded as DTensors (FSDP) keep the default."""
     params = list(params)
     fused = bool(params) and all(
@@ -220,7 +220,7 @@ def ppo_update(
             then receives that forward's ``logp`` and ``entropy`` (``[B, T]``, detached).
         generator: shuffles the responses into mini-batches when there are several
             (``schedule``, the mini-batches' row indices, replaces it when given).
-        dp: this process's rank among data-parallel learners (``trainer.distributed``):
+        dp: this process's rank among data-parallel learners (``cluster.data_parallel``):
             it backpropagates its share of every mini-batch, with the mini-batch's own loss
             normalisers, and the gradients are summed over the ranks before the step, so
             every rank takes the step one process would take on the whole mini-batch.

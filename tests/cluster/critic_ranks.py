@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster.data_parallel import DataParallel
+from anchor_rl.cluster.learners import _fit_critic
 from anchor_rl.errors import NonFiniteError
 from anchor_rl.models import value_pretrain
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.critic import critic_optimizer, new_critic
-from anchor_rl.trainer.distributed import DataParallel
-from anchor_rl.trainer.learners import _fit_critic
 
 GROUP_TIMEOUT = timedelta(seconds=60)
 """The ranks' collective timeout: a rank left waiting fails the test, not hangs it."""

@@ -13,12 +13,12 @@ import torch
 from helpers import metrics_but_timings
 
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.cluster import RayEngine
+from anchor_rl.cluster.asynchronous import PrefetchingEngine, _key, truncated_is_weights
+from anchor_rl.cluster.engine import RayEngine
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import token_logprobs
 from anchor_rl.rollout.engine import HFEngine, group_requests
 from anchor_rl.rollout.types import SamplingParams
-from anchor_rl.trainer.asynchronous import PrefetchingEngine, _key, truncated_is_weights
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train

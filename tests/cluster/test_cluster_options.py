@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import anchor_rl.cluster  # noqa: F401  (registers the engine)
-from anchor_rl.cluster import shard_by_group
+import anchor_rl.cluster.engine  # noqa: F401  (registers the engine)
+from anchor_rl.cluster.engine import shard_by_group
 from anchor_rl.rollout.engine import make_engine
 from anchor_rl.trainer.config import ConfigError, load_config
 

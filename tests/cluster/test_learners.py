@@ -17,14 +17,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster import learners as learners_module
+from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.trainer import learners as learners_module
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import ConfigError, load_config
-from anchor_rl.trainer.learners import LearnerGroup
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import resume_run, start_run

@@ -22,7 +22,7 @@ from helpers import metrics_but_timings
 
 from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.cluster import RayEngine, shard_by_group
+from anchor_rl.cluster.engine import RayEngine, shard_by_group
 from anchor_rl.cluster.worker import RolloutWorker
 from anchor_rl.rollout.engine import group_requests, make_engine
 from anchor_rl.rollout.types import SamplingParams
