@@ -24,10 +24,8 @@ Which layout a pass takes by default depends on the device. On the CPU the arith
 decides: shared prefixes where a prompt repeats, else packed. On a GPU a pass of a few
 thousand tokens waits on kernel launches, and the padded layout's few large kernels beat
 packing's gathers and block-diagonal attention and the shared-prefix layout's per-bucket
-attention: measured on an H100 in bf16 (docs/results.md, "The update's layouts on a GPU"),
-the shared-prefix layout was the fastest in one case of eight (by 4%) and 1.2-2.0x slower
-than the best in the others, and packing paid only in passes of many tokens with much
-padding (:func:`gpu_packs`).
+attention, and packing pays only in passes of many tokens with much padding
+(:func:`gpu_packs`; measured in docs/results.md, "The update's layouts on a GPU").
 """
 
 from __future__ import annotations
@@ -125,13 +123,11 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
 
 GPU_PACK_MIN_FLOP = 5e11
 """On a GPU, ``packed=None`` packs a pass only if its forward is at least this much work,
-``2 x parameters x real tokens`` FLOP: below it a pass waits on kernel launches. On an H100
-(bf16) passes of 0.08 TFLOP (a 50M Llama, 760 tokens) ran padded 1.24x as fast as packed
-with 1.6x the cells, and of 0.55 TFLOP (722M, 380 tokens) as fast."""
+``2 x parameters x real tokens`` FLOP: below it a pass waits on kernel launches
+(the thresholds' measurements: docs/results.md, "The update's layouts on a GPU")."""
 GPU_PACK_MIN_SAVING = 1.2
 """... and only if its padded layout computes at least this many times the packed layout's
-token cells. On the H100, in passes of 0.9-14 TFLOP: a ratio of 1.0 left padded 1.19-1.27x
-as fast; 1.23-1.32 made packed 1.06-1.08x as fast; 1.74-2.0, 1.36-1.44x."""
+token cells."""
 
 
 def pass_cells(batch: RolloutBatch) -> dict[str, int]:

@@ -30,9 +30,8 @@ buffers get the whole budget's columns at the prefill, a step writes its column 
 128, 256, 512, ... columns, the smallest past it; unwritten ones masked), and finished rows
 stay in the buffers (no compaction), so one graph per span, captured at the span's first
 step, serves all its steps. On a GPU a decode step of a small model is bound by launching
-its few hundred kernels one by one; a graph launches them at once (on an H100, 3.6-4.5x
-the eager decoder's speed and 4.0-4.9x ``transformers``' ``generate``'s, docs/results.md,
-"On a GPU (NVIDIA H100)"). Under ``auto`` a capture that fails is reported as a warning
+its few hundred kernels one by one; a graph launches them at once (measured in
+docs/results.md, "On a GPU (NVIDIA H100): CUDA graphs and the cuDNN A/B"). Under ``auto`` a capture that fails is reported as a warning
 and the model decodes without graphs from then on; under ``graph`` it is an error.
 """
 

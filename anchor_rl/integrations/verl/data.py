@@ -298,9 +298,8 @@ def presample_key(
     """The store key of anchors presampled through verl: the reference's identity
     (:func:`fingerprint_reference`), the tokenizer, the rollout's sampling settings, what
     defines the task (training files, reward function, correctness threshold) and what the
-    anchors' ids are made of (:data:`ROW_KEY`: anchors an older version stored under
-    other ids, the messages alone or without the data source, sit under another digest and
-    are sampled again, never half-reused)."""
+    anchors' ids are made of (:data:`ROW_KEY`: anchors stored under other ids sit under
+    another digest and are sampled again, never half-reused)."""
     return AnchorKey(
         model=reference,
         tokenizer=fingerprint_tokenizer(tokenizer),
