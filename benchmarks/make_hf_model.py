@@ -1,6 +1,6 @@
 """Write a randomly initialised Llama-architecture causal LM as a Hugging Face model directory.
 
-Usage: ``python scripts/make_hf_model.py OUT [--hidden 2048 --layers 16 --heads 16
+Usage: ``python benchmarks/make_hf_model.py OUT [--hidden 2048 --layers 16 --heads 16
 --kv-heads 4 --intermediate 5632 --dtype float32 --seed 0 --device cpu]``.
 
 The body has the given shape (the default is TinyLlama-1.1B's width, 16 of its 22 layers:

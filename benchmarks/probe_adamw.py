@@ -1,7 +1,7 @@
 """The policy's AdamW step, PyTorch's default (foreach) implementation against the fused one,
 one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/probe_adamw.py random:tiny random:small --repeats 30 \
+    OMP_NUM_THREADS=1 python benchmarks/probe_adamw.py random:tiny random:small --repeats 30 \
         --out FILE
 
 The figures behind ``anchor_rl.trainer.update.adamw`` (fused wherever every parameter is a
@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 import torch
+from _common import probe_cli
 
-from anchor_rl.bench.throughput import probe_cli
 from anchor_rl.rollout.spec import load_spec
 
 OPTIONS = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.0}

@@ -1,7 +1,7 @@
 """GRPO training steps with glibc's default allocator settings and with anchor-rl's
 (``anchor_rl.allocator``), on the CPU, one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/probe_allocator.py sft:tiny random:small \
+    OMP_NUM_THREADS=1 python benchmarks/probe_allocator.py sft:tiny random:small \
         --rounds 3 --steps 12 --out FILE
 
 For each model spec and round, two fresh processes, alternating (``ANCHOR_RL_MALLOC=default``
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.throughput import emit
+from _common import emit
 
 WARMUP = 2
 

@@ -1,6 +1,6 @@
 """Attention on the CPU: the update's shared-prefix attention and the sampler's cache reads.
 
-    python scripts/probe_attention.py sft:tiny random:small --repeats 5 --out FILE
+    python benchmarks/probe_attention.py sft:tiny random:small --repeats 5 --out FILE
 
 Two measurements, one torch thread, the figures behind three choices of the code:
 
@@ -26,9 +26,9 @@ from functools import partial
 from typing import Any
 
 import torch
+from _common import grpo_step_call, median_seconds, probe_cli
 from torch.nn.functional import scaled_dot_product_attention
 
-from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
 from anchor_rl.models import shared_prefix
 
 

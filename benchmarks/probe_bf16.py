@@ -1,6 +1,6 @@
 """bf16 autocast against float32 on real rollouts: log-prob differences and the update's speed.
 
-Usage: ``python scripts/probe_bf16.py [MODEL_SPEC]`` (default ``sft:tiny``), one thread.
+Usage: ``python benchmarks/probe_bf16.py [MODEL_SPEC]`` (default ``sft:tiny``), one thread.
 Samples 16 arithmetic training prompts x 8 responses with the built-in engine, then prints
 JSON: per-token |bf16 - float32| log-prob (mean, 99th percentile, max), the mean over
 responses of the summed difference, the largest difference between two bf16 micro-batchings

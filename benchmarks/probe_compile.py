@@ -1,6 +1,6 @@
 """torch.compile on the update's forward + backward, against eager, in both scoring layouts.
 
-Usage: ``python scripts/probe_compile.py [MODEL_SPEC]`` (default ``sft:tiny``), one thread.
+Usage: ``python benchmarks/probe_compile.py [MODEL_SPEC]`` (default ``sft:tiny``), one thread.
 Samples four batches of 16 arithmetic prompts x 8 responses, then times one forward +
 backward per batch (twice over, the first two left out) eagerly and compiled
 (``torch.compile(dynamic=True)``; the packed layout calls the inner model directly, so it

@@ -1,6 +1,6 @@
 """torch.compile on the sampler's decode step, against eager.
 
-Usage: ``python scripts/probe_compile_decode.py [MODEL_SPEC] [ROUNDS]`` (default ``sft:tiny``,
+Usage: ``python benchmarks/probe_compile_decode.py [MODEL_SPEC] [ROUNDS]`` (default ``sft:tiny``,
 3), one thread. Samples the same 8 arithmetic prompts x 8 responses (the TRL comparison's
 step: T = 1, <= 80 new tokens) with the static decoder eagerly and with its layer loop
 compiled (``torch.compile(dynamic=True)`` on ``StaticDecoder._layers``), alternating, the
@@ -17,8 +17,8 @@ import sys
 import time
 
 import torch
+from _common import grpo_step_call
 
-from anchor_rl.bench.throughput import grpo_step_call
 from anchor_rl.rollout import decoders
 from anchor_rl.rollout.engine import make_engine
 

@@ -1,13 +1,13 @@
 """The CPU decoder's two attentions over its buffers, fused SDPA against batched matmuls,
 one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/probe_decode_attention.py sft:tiny random:small \
+    OMP_NUM_THREADS=1 python benchmarks/probe_decode_attention.py sft:tiny random:small \
         --repeats 8 --out FILE
 
 The figures behind ``StaticDecoder``'s choice (``attention=None``: ``sdpa`` for a bfloat16
 model on the CPU, ``matmul`` for a float32 one): for each model spec, one GRPO step's
 rollout (8 arithmetic training prompts x 8 responses, <= 80 new tokens, T = 1, seed 0;
-``anchor_rl.bench.throughput.grpo_step_call``), sampled in float32 and with bfloat16
+``_common.grpo_step_call``), sampled in float32 and with bfloat16
 sampling (``precision=bf16``), each attention in turn in one process, alternating.
 Median seconds of ``--repeats`` rounds and the ratio sdpa / matmul.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
+from _common import grpo_step_call, median_seconds, probe_cli
+
 from anchor_rl.rollout import sampling
 from anchor_rl.rollout.decoders import StaticDecoder, decoder_for
 

@@ -1,12 +1,12 @@
 """The static decoder's layers on prepared weights against the layers' own modules, on the
 CPU, one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/probe_decode_layers.py sft:tiny random:small \
+    OMP_NUM_THREADS=1 python benchmarks/probe_decode_layers.py sft:tiny random:small \
         --repeats 15 --out FILE
 
 The figures behind ``anchor_rl.models.llama.FrozenLayer``: for each model spec, one GRPO
 step's rollout (8 arithmetic training prompts x 8 responses, <= 80 new tokens, T = 1,
-seed 0; ``anchor_rl.bench.throughput.grpo_step_call``), sampled in float32 and with
+seed 0; ``_common.grpo_step_call``), sampled in float32 and with
 bfloat16 sampling (``precision=bf16``), each way alternating in one process: ``modules``
 (every layer through its modules, what ``decode_layers`` returns where
 ``frozen_unsupported`` gives a reason) and ``prepared`` (q/k/v and gate/up as one product
@@ -22,8 +22,8 @@ import statistics
 from typing import Any
 
 import torch
+from _common import grpo_step_call, median_seconds, probe_cli
 
-from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
 from anchor_rl.models import llama
 from anchor_rl.rollout.engine import make_engine
 

@@ -1,6 +1,6 @@
 """anchor-rl's sampler against ``transformers``' ``generate`` on the same batch and device.
 
-Usage: ``python scripts/probe_generate.py [SPEC ...] [--device cuda] [--dtype bfloat16]
+Usage: ``python benchmarks/probe_generate.py [SPEC ...] [--device cuda] [--dtype bfloat16]
 [--repeats 5] [--decodes auto,graph] [--out FILE]`` (specs default to ``random:base``).
 
 One ``grpo`` step's rollout (the TRL comparison's: the first 8 arithmetic prompts x 8
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import emit, grpo_step_call
 
-from anchor_rl.bench.throughput import emit, grpo_step_call
 from anchor_rl.models.padding import left_pad
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.rollout.engine import make_engine

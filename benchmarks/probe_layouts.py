@@ -1,6 +1,6 @@
 """The update's three scoring layouts against each other at short and long response lengths.
 
-    python scripts/probe_layouts.py random:base runs/gpu/llama-0.7b --device cuda \
+    python benchmarks/probe_layouts.py random:base runs/gpu/llama-0.7b --device cuda \
         --autocast bf16 --repeats 3 --out FILE
 
 What ``optim.padding_free`` and ``optim.shared_prefix`` choose between: for each model spec
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import emit
 from transformers import PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.bench.throughput import emit
 from anchor_rl.models.scoring import pass_cells, pass_layout, token_logprobs
 from anchor_rl.models.shared_prefix import SharedPrefixLayout
 from anchor_rl.rollout.agent import Response

@@ -1,8 +1,8 @@
 """Where a GRPO step's CPU time goes below Python: the native functions Linux ``perf`` samples
 while one phase of the step runs over and over, summed into a few kinds of work.
 
-    OMP_NUM_THREADS=1 python scripts/probe_native.py sft:tiny --seconds 8 --out FILE
-    OMP_NUM_THREADS=1 python scripts/probe_native.py sft:tiny --seconds 8 --out FILE \
+    OMP_NUM_THREADS=1 python benchmarks/probe_native.py sft:tiny --seconds 8 --out FILE
+    OMP_NUM_THREADS=1 python benchmarks/probe_native.py sft:tiny --seconds 8 --out FILE \
         optim.autocast=bf16 rollout.engine_args.precision=bf16
 
 A run of the ``trl`` suite's step (8 prompts x 8 responses of the arithmetic task, up to 80
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, work in phases(args.model, args.overrides).items():
         print(f"sampling {name} for {args.seconds:g} s", file=sys.stderr, flush=True)
         result["phases"][name] = record(work, args.seconds, perf)
-    from anchor_rl.bench.throughput import emit
+    from _common import emit
 
     emit(result, args.out)
     return result

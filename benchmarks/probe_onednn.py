@@ -1,7 +1,7 @@
 """oneDNN's float32 product on plain weights against PyTorch's (MKL's) on the CPU, one torch
 thread: why the update's products stay with MKL.
 
-    python scripts/probe_onednn.py --repeats 7 --out FILE
+    python benchmarks/probe_onednn.py --repeats 7 --out FILE
 
 - ``products``: microseconds of each product of one linear layer ``x[M, in] @ W[out,
   in].T`` in float32, by ``torch.mm`` (MKL) and by ``mkldnn::_linear_pointwise`` on the
@@ -21,8 +21,8 @@ import os
 from typing import Any
 
 import torch
+from _common import median_seconds, probe_cli
 
-from anchor_rl.bench.throughput import median_seconds, probe_cli
 from anchor_rl.models import packed
 
 SHAPES = {

@@ -1,6 +1,6 @@
 """Packed (oneDNN-reordered) weights against plain ones on the CPU, one torch thread.
 
-    python scripts/probe_packed.py sft:tiny random:small --repeats 5 --out FILE
+    python benchmarks/probe_packed.py sft:tiny random:small --repeats 5 --out FILE
 
 The figures behind ``anchor_rl.models.packed``:
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import grpo_step_call, median_seconds, probe_cli
 
-from anchor_rl.bench.throughput import grpo_step_call, median_seconds, probe_cli
 from anchor_rl.models import packed
 
 SHAPES = {

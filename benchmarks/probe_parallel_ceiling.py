@@ -1,7 +1,7 @@
 """How much faster two processes sample than one on this machine: the ceiling for two
 one-thread rollout workers against one, with no Ray in between.
 
-    python scripts/probe_parallel_ceiling.py tiny small --repeats 3 --out FILE
+    python benchmarks/probe_parallel_ceiling.py tiny small --repeats 3 --out FILE
 
 For each size a random-init model (seed 0) samples the throughput bench's step: 8 arithmetic
 training prompts x 8 responses, <= 80 new tokens, T = 1, the built-in ``hf`` engine, one

@@ -2,8 +2,8 @@
 long each trainer spends generating, on the reference's log-probs and on the update, and how
 many tokens its scoring passes run, measured in fresh processes that alternate.
 
-    OMP_NUM_THREADS=1 python scripts/probe_phases.py sft:tiny --steps 16 --rounds 3 --out FILE
-    OMP_NUM_THREADS=1 python scripts/probe_phases.py random:small --steps 8 --rounds 2 \
+    OMP_NUM_THREADS=1 python benchmarks/probe_phases.py sft:tiny --steps 16 --rounds 3 --out FILE
+    OMP_NUM_THREADS=1 python benchmarks/probe_phases.py random:small --steps 8 --rounds 2 \
         --out FILE optim.autocast=bf16 rollout.engine_args.precision=bf16
 
 Each process trains one trainer with the suite's settings (``anchor-rl bench trl``: 8
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if key in medians["trl"] and medians["anchor-rl"][key]
         },
     }
-    from anchor_rl.bench.throughput import emit
+    from _common import emit
 
     emit(result, args.out)
     return result

@@ -1,13 +1,13 @@
 """Seconds per step of a preset with shared-prefix scoring off and on, alternating.
 
-    OMP_NUM_THREADS=1 python scripts/time_shared_prefix.py vapo sft:tiny random:small \
+    OMP_NUM_THREADS=1 python benchmarks/time_shared_prefix.py vapo sft:tiny random:small \
         --out docs/results/shared-prefix/vapo_timings.json
 
 Each (model, setting) trains ``--steps`` steps of 8 prompts x 8 responses (<= 80 new
 tokens, no value pretraining, no evaluation) in a fresh run directory under a temporary
 folder, twice, alternating ``optim.shared_prefix=off`` and ``auto``; the first step of each
-run is a warm-up and is left out. ``off`` also turns the critic's shared prefixes off (it
-scored padded then when the committed timings were measured; it packs since). Prints one line per run and writes every run's mean
+run is a warm-up and is left out. ``off`` also turns the critic's shared prefixes off (the
+critic then scores packed). Prints one line per run and writes every run's mean
 ``time/generate`` and ``time/update`` as JSON.
 """
 

@@ -5,7 +5,7 @@ V0.5 runs.
 
 1. the simulator (``anchor_rl.bench.mse.run_baseline_mse``) into ``OUT/simulator``;
 2. the training runs of ``suites/baseline-mse.toml`` into ``OUT/training`` (the ``v05``
-   preset with ``v05.probe_every`` set: the probe of ``anchor_rl.trainer.v05_probe``
+   preset with the ``v05_probe`` component of ``anchor_rl.bench.v05_probe``, which
    measures, with the policy of the run, every method's baseline against 64-rollout ground
    truth on a fixed prompt set, and the priors' AUC and calibration on held-out prompts
    against 32-rollout ground truth);
@@ -27,7 +27,7 @@ from typing import Any
 from anchor_rl.bench.mse import run_baseline_mse
 from anchor_rl.bench.runner import BenchArgs, RunSpec, load_suite, plan, report, run_spec
 from anchor_rl.bench.stats import t_interval
-from anchor_rl.trainer.v05_probe import read_probe
+from anchor_rl.bench.v05_probe import read_probe
 
 SUITE = "baseline-mse"
 PRIOR_PARTS = (
@@ -167,7 +167,7 @@ def probe_report(specs: Sequence[RunSpec], out: Path) -> dict[str, Any]:
         runs.setdefault(spec.label, []).append(read_probe(spec.run_dir))
     if not any(records for seeds in runs.values() for records in seeds):
         raise ValueError(
-            "no run of the suite wrote probe records: set v05.probe_every > 0 in the suite"
+            "no run of the suite wrote probe records: add the v05_probe component to the suite"
         )
     payload = {
         label: {

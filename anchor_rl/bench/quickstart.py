@@ -18,9 +18,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from anchor_rl.bench.summary import format_bootstrap
 from anchor_rl.trainer.config import TrainConfig, load_config
@@ -345,47 +343,3 @@ def _train_rows(f: Mapping[str, Any]) -> list[str]:
         f"| training-prompt accuracy before training (greedy) | {before:.3f} |",
         f"| training-prompt accuracy after training | {after:.3f} |",
     ]
-
-
-def quickstart(
-    overrides: Annotated[
-        list[str] | None,
-        typer.Argument(help="Config overrides for the run, key=value with dotted keys."),
-    ] = None,
-    task: Annotated[
-        str, typer.Option("--task", help="Task: arithmetic, countdown or multihop.")
-    ] = "arithmetic",
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", "-o", help="Run and report directory (default: runs/quickstart-TASK-TIME)."
-        ),
-    ] = None,
-    steps: Annotated[
-        int | None, typer.Option("--steps", min=1, help="Training steps (default 60).")
-    ] = None,
-    time_limit: Annotated[
-        float | None,
-        typer.Option("--time-limit", min=1.0, help="Stop training after this many seconds."),
-    ] = None,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare/--no-compare",
-            help="Also train GRPO at the same settings and compare on held-out prompts.",
-        ),
-    ] = True,
-) -> None:
-    """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
-    held-out evaluation before and after, GRPO at the same settings beside it, and a
-    report (markdown and PNG)."""
-    cfg = quickstart_config(task, steps, time_limit, overrides or [])
-    run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run_quickstart(cfg, run_dir, compare)
-    typer.echo(
-        f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
-        f"in {result['total_s']:.0f} s"
-    )
-    if "comparison" in result:
-        typer.echo(headline(result["comparison"]))
-    typer.echo(f"report: {result['report_md']} (plot: {result['report_png']})")

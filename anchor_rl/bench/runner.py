@@ -46,16 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.trainer.config import (
-    ConfigError,
-    TrainConfig,
-    apply_overrides,
-    build_config,
-    builtin_names,
-    parse_override,
-    read_builtin_toml,
-    read_preset,
-)
+from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
+from anchor_rl.trainer.presets import builtin_names, parse_override, read_builtin_toml, read_preset
 
 SUITE_KEYS = {
     "description",
@@ -379,3 +371,23 @@ def _merge(base: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def command_line(
+    suite: str,
+    out: Path,
+    seeds: Sequence[int] | None,
+    steps: int | None,
+    overrides: Sequence[str],
+    profile: str | None,
+) -> str:
+    """The ``anchor-rl bench`` command that reproduces a function suite's run."""
+    parts = [f"anchor-rl bench {suite}", f"--out {out}"]
+    if seeds is not None:
+        parts.append("--seeds " + ",".join(map(str, seeds)))
+    if steps is not None:
+        parts.append(f"--steps {steps}")
+    if profile is not None:
+        parts.append(f"--profile {profile}")
+    parts += list(overrides)
+    return " ".join(parts)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.algos import v05
-from anchor_rl.trainer.v05 import budget_sigma2, sigma2_of
+from anchor_rl.methods.v05 import budget_sigma2, sigma2_of
 
 __all__ = ["PAPER_COST", "REWARD_RANGES", "SimConfig", "SimResult", "simulate"]
 

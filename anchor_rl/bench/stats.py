@@ -8,8 +8,9 @@ function; that function is evaluated with its continued fraction (modified Lentz
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,14 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
         return Interval(mean, None, 1)
     s = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
     return Interval(mean, t_quantile((1 + confidence) / 2, n - 1) * s / math.sqrt(n), n)
+
+
+def figure_cell(figure: Mapping[str, Any] | None, digits: int = 3) -> str:
+    """A stored figure (``{"mean", "half_width", "n", ...}``) as :meth:`Interval.fmt` writes
+    it; "–" for None."""
+    if figure is None:
+        return "–"
+    return Interval(figure["mean"], figure["half_width"], figure["n"]).fmt(digits)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.stats import Interval, paired_bootstrap, t_interval
+from anchor_rl.bench.stats import Interval, figure_cell, paired_bootstrap, t_interval
 
 FIGURES: dict[str, str] = {
     "eval_start": "held-out accuracy before training (step 0)",
@@ -325,9 +325,7 @@ def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:
                 if key.startswith(("eval", "reward", "train"))
                 else 2
             )
-            cells.append(
-                "–" if f is None else Interval(f["mean"], f["half_width"], f["n"]).fmt(digits)
-            )
+            cells.append(figure_cell(f, digits))
         lines.append(f"| {g['label']} | {len(g['seeds'])} | " + " | ".join(cells) + " |")
     lines += ["", *(f"- `{k}`: {v}" for k, v in FIGURES.items() if k in columns), ""]
     return "\n".join(lines)

@@ -28,31 +28,29 @@ process with one thread, 1 and 2 Ray rollout workers of one thread each, 2 learn
 one thread each, both, 1 worker with asynchronous rollouts (``cluster.async_steps=1``: its
 ``generate`` time is the driver's wait, so its s/step is the figure to compare), and one
 process with one thread on the plain paths (the model's own forward for decoding,
-``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update as
-they were before the static cache and packing); the driver then has one thread. Layout
+``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update
+without the static cache and packing); the driver then has one thread. Layout
 ``t1b`` is the one process at one thread with its forward passes in bf16
 (``optim.autocast=bf16``), ``t1n`` the same without shared-prefix scoring
 (``optim.shared_prefix=off``: each response's prompt scored with it, packed), ``l2f``
 the 2 learners sharded with FSDP2 (``cluster.learner_sharding=fsdp``). A row's
 ``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
-one process at the machine's threads (today's default).
+one process at the machine's threads (the default).
 Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.runner import BenchArgs, Suite, plan, run_spec
+from anchor_rl.bench.host import host_info
+from anchor_rl.bench.runner import BenchArgs, Suite, command_line, plan, run_spec
 from anchor_rl.trainer.timing import STEP_STAGES
 
 SIZE_ORDER = ("tiny", "small", "base")
@@ -201,7 +199,7 @@ def default_layouts(device: str, size: str, profile: str | None = None) -> tuple
 
 
 def _stage_seconds(record: Mapping[str, float], stage: str) -> float:
-    if stage == "sync":  # runs from before the weight push had its own timer: in time/update
+    if stage == "sync":  # a run without a sync timer counts its weight push in time/update
         return record.get("time/sync", 0.0)
     return record[f"time/{stage}"]
 
@@ -305,67 +303,6 @@ def matmul_dtypes(cfg: Any) -> tuple[str, str]:
     return sampling, bf16 if cfg.optim.autocast == "bf16" else "float32"
 
 
-def grpo_step_call(
-    spec: str, max_new_tokens: int = 80, prompts: int = 8, device: str = "cpu"
-) -> tuple[Any, ...]:
-    """``(model, tokenizer, call)`` for timing one ``grpo`` step's rollout on ``device``: the
-    model of ``spec`` (e.g. ``sft:tiny``, ``random:small``) and the arguments of
-    ``engine.rollout(*call)`` for the first ``prompts`` arithmetic training prompts, 8
-    responses each, T = 1, at most ``max_new_tokens`` new tokens (the TRL comparison's
-    step). What the probe scripts under ``scripts/`` time."""
-    from anchor_rl.rollout.spec import load_spec
-    from anchor_rl.tasks import get_task
-    from anchor_rl.trainer.collect import rollout_call
-    from anchor_rl.trainer.config import build_config
-
-    cfg = build_config(
-        {"preset": "grpo", "task": "arithmetic", "model": spec,
-         "rollout": {"max_new_tokens": max_new_tokens}}
-    )  # fmt: skip
-    model, tokenizer = load_spec(spec, "arithmetic", {}, 0, device, progress=False)
-    task = get_task("arithmetic")
-    call = rollout_call(task, task.records("train")[:prompts], range(prompts), cfg)
-    return model, tokenizer, call
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
-    import statistics
-    import time
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def probe_cli(doc: str, measure: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
-    """The command line of a probe script: ``[SPEC ...] [--repeats N] [--out FILE]`` (specs
-    default to ``sft:tiny random:small``), one torch thread; prints ``measure(args)`` with
-    the thread count and torch version as JSON and writes it to ``--out``."""
-    import torch
-
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("specs", nargs="*", default=["sft:tiny", "random:small"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    emit({"threads": 1, "torch": torch.__version__, **measure(args)}, args.out)
-
-
-def emit(result: dict[str, Any], out: Path | None) -> None:
-    """Print a probe's ``result`` as JSON and, given ``out``, write it there too."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-
-
 def hidden_size(size: str) -> int:
     """The hidden width of a built-in size."""
     from anchor_rl.models.factory import SIZES
@@ -418,38 +355,6 @@ def parameter_count(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def host_info(device: str) -> dict[str, Any]:
-    """The device by name, torch's thread count and the library versions."""
-    import torch
-
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        name = _cpu_name()
-    versions = {}
-    for package in ("torch", "transformers", "trl", "accelerate"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "device": device,
-        "device_name": name,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "versions": versions,
-    }
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def run_throughput_suite(
     args: BenchArgs,
     sizes: Sequence[str] | None = None,
@@ -463,8 +368,8 @@ def run_throughput_suite(
     "summary_md", "plots"}`` paths.
     """
     out, seeds, steps, overrides, profile, echo = args.unpack()
-    from anchor_rl.trainer.config import parse_override
     from anchor_rl.trainer.logging import read_metrics
+    from anchor_rl.trainer.presets import parse_override
 
     # ``model=SPEC`` names the one model measured (a row of its own), not every variant's
     cli = dict(parse_override(o) for o in overrides)
@@ -616,23 +521,3 @@ def plot_stages(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.set_title("where a step's time goes")
     fig.legend(fontsize=8, ncols=4, loc="outside lower center")
     fig.savefig(path, dpi=110)
-
-
-def command_line(
-    suite: str,
-    out: Path,
-    seeds: Sequence[int] | None,
-    steps: int | None,
-    overrides: Sequence[str],
-    profile: str | None,
-) -> str:
-    """The ``anchor-rl bench`` command that reproduces a function suite's run."""
-    parts = [f"anchor-rl bench {suite}", f"--out {out}"]
-    if seeds is not None:
-        parts.append("--seeds " + ",".join(map(str, seeds)))
-    if steps is not None:
-        parts.append(f"--steps {steps}")
-    if profile is not None:
-        parts.append(f"--profile {profile}")
-    parts += list(overrides)
-    return " ".join(parts)

@@ -3,7 +3,7 @@
 One command (``anchor-rl bench trl-pvpo --seeds 0,1,2``) trains, for every seed, TRL's
 plain ``GRPOTrainer`` and the plug-in's ``PVPOGRPOTrainer`` from the same initial model on
 the same training prompts, with the same ``GRPOConfig`` (the ``grpo`` preset mapped by
-``anchor_rl.bench.trl_compare.grpo_config_kwargs``: group size N, prompts per step,
+``anchor_rl.bench.trl_config.grpo_config_kwargs``: group size N, prompts per step,
 learning rate, clipping, KL, loss), so the only difference is the trainer class: PVPO's
 advantage ``r - V_sta``, group sampling and teacher rows. Both final models and the
 initial one are evaluated on the held-out prompts by the same function
@@ -22,21 +22,24 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.runner import BenchArgs, RunSpec, Suite, plan
-from anchor_rl.bench.stats import Interval, t_interval
-from anchor_rl.bench.throughput import command_line, host_info
-from anchor_rl.bench.trl_compare import _initial_policy, grpo_config_kwargs
+from anchor_rl.bench.host import host_info
+from anchor_rl.bench.runner import BenchArgs, RunSpec, Suite, command_line, plan
+from anchor_rl.bench.stats import figure_cell
+from anchor_rl.bench.trl_compare import RewardCounter, initial_policy
+from anchor_rl.bench.trl_config import grpo_config_kwargs
+from anchor_rl.bench.trl_report import summarise
 from anchor_rl.errors import ConfigError
+from anchor_rl.integrations.trl.checks import section
 from anchor_rl.integrations.trl.data import task_dataset, task_reward_function
-from anchor_rl.integrations.trl.trainers import PVPOGRPOTrainer, section
+from anchor_rl.integrations.trl.pvpo import PVPOGRPOTrainer
 from anchor_rl.methods.pvpo_config import PVPOConfig
-from anchor_rl.trainer.config import TrainConfig, parse_override
+from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.presets import parse_override
 
-__all__ = ["FIGURES", "TRL_PVPO_SUITE", "figures", "run_trl_pvpo_suite", "summarise", "train_one"]
+__all__ = ["FIGURES", "TRL_PVPO_SUITE", "figures", "run_trl_pvpo_suite", "train_one"]
 
 SUITE_NAME = "trl-pvpo"
 METHODS = ("grpo", "pvpo")
@@ -158,7 +161,7 @@ def train_one(
         raise ConfigError(f"method {method!r}: choose one of {', '.join(METHODS)}")
     task = load_task(cfg)
     with quiet_transformers():
-        policy, tokenizer = _initial_policy(cfg, run_dir)
+        policy, tokenizer = initial_policy(cfg, run_dir)
     if start is None:
         start = evaluate_model(make_engine("hf", policy, tokenizer), task, cfg, 0)
     records = task.records("train")[: cfg.train_prompts]
@@ -166,7 +169,7 @@ def train_one(
     kwargs |= {"shuffle_dataset": True, "disable_tqdm": not cfg.log.progress}
     args = trl.GRPOConfig(**kwargs)
     dataset = task_dataset(task, tokenizer, records)
-    counted = _Counter(task_reward_function(task, records))
+    counted = RewardCounter(task_reward_function(task, records))
     started = time.perf_counter()
     with quiet_transformers():  # TRL loads its reference model (beta > 0)
         if method == "grpo":
@@ -200,18 +203,6 @@ def train_one(
     }
 
 
-class _Counter:
-    """A TRL reward function that counts the completions it scores."""
-
-    def __init__(self, fn: Callable[..., list[float]]) -> None:
-        self.fn, self.completions = fn, 0
-        self.__name__ = fn.__name__
-
-    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-        self.completions += len(completions)
-        return self.fn(prompts, completions, **kwargs)
-
-
 def figures(result: dict[str, Any]) -> dict[str, float]:
     """The :data:`FIGURES` of one run's result."""
     start, final, r = result["eval"]["start"], result["eval"]["final"], result["rollouts"]
@@ -226,22 +217,6 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
     }
     if "eval/train_accuracy" in final:
         out["train_eval_final"] = final["eval/train_accuracy"]
-    return out
-
-
-def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per method and figure: mean, 95% t half-width, n and the per-seed values."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for method, runs in results.items():
-        rows = [figures(r) for r in runs]
-        out[method] = {}
-        for key in FIGURES:
-            values = [row[key] for row in rows if key in row]
-            if values:
-                iv = t_interval(values)
-                out[method][key] = {
-                    "mean": iv.mean, "half_width": iv.half_width, "n": iv.n, "values": values
-                }  # fmt: skip
     return out
 
 
@@ -261,7 +236,7 @@ def _write(
         "grpo_config": {k: v for k, v in grpo_config_kwargs(cfg, "").items() if k != "output_dir"},
         "pvpo": pc.model_dump(mode="json"),
         "figures": FIGURES,
-        "summary": summarise(results),
+        "summary": summarise(results, figures, FIGURES),
         "runs": {
             m: [{k: r[k] for k in ("seed", "eval", "rollouts", "wall_s", "steps")} for r in rs]
             for m, rs in results.items()
@@ -271,12 +246,6 @@ def _write(
     json_path.write_text(json.dumps(payload, indent=2))
     md_path.write_text(markdown(payload, cfg))
     return {"summary_json": json_path, "summary_md": md_path, "plots": []}
-
-
-def _cell(figure: dict[str, Any] | None, digits: int) -> str:
-    if figure is None:
-        return "–"
-    return Interval(figure["mean"], figure["half_width"], figure["n"]).fmt(digits)
 
 
 def markdown(payload: dict[str, Any], cfg: TrainConfig) -> str:
@@ -298,7 +267,7 @@ def markdown(payload: dict[str, Any], cfg: TrainConfig) -> str:
     for key, label in FIGURES.items():
         digits = 3 if "eval" in key else 0 if key.startswith("rollouts") else 1
         lines.append(
-            f"| {label} | {_cell(s['grpo'].get(key), digits)} | {_cell(s['pvpo'].get(key), digits)} |"
+            f"| {label} | {figure_cell(s['grpo'].get(key), digits)} | {figure_cell(s['pvpo'].get(key), digits)} |"
         )
     lines += ["", f"Command: `{payload['command']}`", ""]
     return "\n".join(lines)

@@ -8,5 +8,6 @@ imports no other trainer library (docs/integrations.md):
   (``V05GRPOTrainer``).
 - ``anchor_rl.integrations.verl``: the verl integration (its own section of the doc).
 
-Layer: above ``anchor_rl.bench`` and below the command line (docs/training.md, "Layers").
+Layer: above the trainer, below ``anchor_rl.bench`` (benchmarks compare the hosts) and the
+command line (docs/training.md, "Layers").
 """

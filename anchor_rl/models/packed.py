@@ -11,7 +11,7 @@ a ``[25, 256] x [256, 1024]`` decode product takes 133 µs instead of 172 in flo
 instead of 88 in bfloat16, a ``[2809, 256] x [256, 1024]`` scoring one 13.7 ms instead of
 16.7; a ``[64, 128] x [128, 512]`` one gains nothing in float32 and a ``[20, 128] x [128,
 128]`` one takes twice as long, hence :data:`PACK_MIN_ELEMENTS`. Packing takes ~1 ms per
-million weights, once per decoding turn or scoring pass (``scripts/probe_packed.py``).
+million weights, once per decoding turn or scoring pass (``benchmarks/probe_packed.py``).
 
 The products are the same function; bfloat16 ones are bitwise equal to ``F.linear``'s
 (the same oneDNN kernel), float32 ones differ by the summation order (~1e-6 relative).

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 BUCKET_ROWS = 16
 """Rows per attention grid of the responses. One grid of all rows is as wide as the longest
 response; grids of rows of similar length (the rows sorted by length) waste less of the
-attention's arithmetic on padding (``scripts/probe_attention.py`` measures both)."""
+attention's arithmetic on padding (``benchmarks/probe_attention.py`` measures both)."""
 
 
 def shared_prefix_unsupported(model: PreTrainedModel, head: bool = True) -> str | None:
@@ -214,7 +214,7 @@ def _attend(
 
     On the CPU, attention in bfloat16 (under ``optim.autocast = "bf16"``, or a bfloat16
     model) runs in float32 instead: the CPU kernel's bfloat16 backward is ~4x slower than
-    its float32 one at the shapes of a GRPO step (``scripts/probe_attention.py``), and a
+    its float32 one at the shapes of a GRPO step (``benchmarks/probe_attention.py``), and a
     float32 softmax is the more exact.
     """
     device, dtype = q.device.type, v.dtype

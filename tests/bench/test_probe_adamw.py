@@ -1,16 +1,15 @@
-"""scripts/probe_adamw.py: the default and the fused AdamW step timed in turn over a model's
+"""benchmarks/probe_adamw.py: the default and the fused AdamW step timed in turn over a model's
 parameters, and how far apart their weights end up."""
 
 from __future__ import annotations
 
+import probe_adamw as probe
 import torch
-from helpers import load_script
 
 from anchor_rl.trainer.update import adamw
 
 
 def test_both_ways_are_timed_and_end_within_rounding() -> None:
-    probe = load_script("probe_adamw")
     result = probe.step_times("random:tiny", repeats=2)
     assert result["parameters"] > 10**6  # tiny: about 1.1M
     assert set(result["step_ms"]) == {"foreach", "fused"}

@@ -1,15 +1,14 @@
-"""scripts/probe_attention.py: every variant is timed on a real batch, and the module's
+"""benchmarks/probe_attention.py: every variant is timed on a real batch, and the module's
 settings are restored after."""
 
 from __future__ import annotations
 
-from helpers import load_script
+import probe_attention as probe
 
 from anchor_rl.models import shared_prefix
 
 
 def test_scoring_and_decode_variants_are_timed_and_the_settings_restored() -> None:
-    probe = load_script("probe_attention")
     before = shared_prefix.BUCKET_ROWS, shared_prefix._attend
     scoring = probe.scoring_times("random:tiny", repeats=1, max_new_tokens=4)
     assert (shared_prefix.BUCKET_ROWS, shared_prefix._attend) == before

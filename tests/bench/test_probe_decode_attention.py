@@ -1,15 +1,14 @@
-"""scripts/probe_decode_attention.py: one step's rollout is timed with either attention in
+"""benchmarks/probe_decode_attention.py: one step's rollout is timed with either attention in
 both precisions, and the decoder choice it overrides is restored after."""
 
 from __future__ import annotations
 
-from helpers import load_script
+import probe_decode_attention as probe
 
 from anchor_rl.rollout import decoders, sampling
 
 
 def test_rollouts_are_timed_both_ways_and_the_choice_restored(monkeypatch) -> None:
-    probe = load_script("probe_decode_attention")
     ways = []  # the attention each turn's decoder ran
     layers = decoders.StaticDecoder._layers
 

@@ -1,15 +1,14 @@
-"""scripts/probe_decode_layers.py: one step's rollout is timed with module and prepared
+"""benchmarks/probe_decode_layers.py: one step's rollout is timed with module and prepared
 layers in both precisions, and the switch it flips is restored after."""
 
 from __future__ import annotations
 
-from helpers import load_script
+import probe_decode_layers as probe
 
 from anchor_rl.models import llama
 
 
 def test_rollouts_are_timed_both_ways_and_the_switch_restored(monkeypatch) -> None:
-    probe = load_script("probe_decode_layers")
     unsupported = llama.frozen_unsupported
     ways = []  # what the decoder ran at each prefill: prepared layers or modules
     decode_layers = llama.decode_layers

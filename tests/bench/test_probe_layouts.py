@@ -1,16 +1,14 @@
-"""scripts/probe_layouts.py: its synthetic batches have the profiles' lengths, its cell
+"""benchmarks/probe_layouts.py: its synthetic batches have the profiles' lengths, its cell
 counts add up, and every layout is timed on a real model."""
 
 from __future__ import annotations
 
+import probe_layouts as probe
 import pytest
 import torch
-from helpers import load_script
 
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout.spec import load_spec
-
-probe = load_script("probe_layouts")
 
 
 @pytest.mark.parametrize("profile", list(probe.PROFILES))

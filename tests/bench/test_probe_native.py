@@ -1,11 +1,11 @@
-"""scripts/probe_native.py: a GRPO step's phases as repeatable calls, and perf's samples
+"""benchmarks/probe_native.py: a GRPO step's phases as repeatable calls, and perf's samples
 summed into kinds of work (the summing tested on a report of perf's format; the sampling
 itself needs Linux perf, which the probe asks for by name)."""
 
 from __future__ import annotations
 
+import probe_native as probe
 import pytest
-from helpers import load_script
 
 REPORT = """\
 # Samples: 16K of event 'cpu-clock'
@@ -29,7 +29,6 @@ REPORT = """\
 
 
 def test_a_perf_report_is_summed_into_kinds_of_work() -> None:
-    probe = load_script("probe_native")
     rows = probe.parse_report(REPORT)
     assert len(rows) == 12 and rows[0] == (13.11, "libtorch_cpu.so", rows[0][2])
     summary = probe.summarise(rows, top=3)
@@ -56,7 +55,6 @@ def test_a_perf_report_is_summed_into_kinds_of_work() -> None:
 def test_the_phases_run_again_and_leave_the_loop_as_it_was(tmp_path) -> None:
     from anchor_rl.trainer import loop
 
-    probe = load_script("probe_native")
     before = (loop.score_logprobs, loop.ppo_update)
     small = ["rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8"]
     calls = probe.phases("random:tiny", small, tmp_path / "run")
@@ -68,7 +66,6 @@ def test_the_phases_run_again_and_leave_the_loop_as_it_was(tmp_path) -> None:
 
 
 def test_without_perf_the_probe_says_what_it_needs(monkeypatch) -> None:
-    probe = load_script("probe_native")
     monkeypatch.setattr(probe.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit, match="needs Linux perf"):
         probe.main(["random:tiny"])

@@ -1,10 +1,10 @@
-"""scripts/probe_packed.py: products and passes are timed both ways, and the module's
+"""benchmarks/probe_packed.py: products and passes are timed both ways, and the module's
 switch is restored after."""
 
 from __future__ import annotations
 
+import probe_packed as probe
 import pytest
-from helpers import load_script
 
 from anchor_rl.models import packed
 
@@ -18,7 +18,6 @@ def packing_on(monkeypatch):
 
 
 def test_products_and_passes_are_timed_plain_and_packed(monkeypatch) -> None:
-    probe = load_script("probe_packed")
     products = probe.product_times(1, shapes={"toy": [(4, 16, 32)]})
     timed = [v for v in products.values() if isinstance(v, dict)]
     assert len(timed) == 2  # float32 and bfloat16

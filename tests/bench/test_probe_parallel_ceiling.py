@@ -1,14 +1,13 @@
-"""scripts/probe_parallel_ceiling.py: its layouts sample the same requests, split in halves."""
+"""benchmarks/probe_parallel_ceiling.py: its layouts sample the same requests, split in halves."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from helpers import load_script
+import probe_parallel_ceiling as probe
 
 
 def test_the_halves_split_the_one_call_and_sampling_counts_response_tokens() -> None:
-    probe = load_script("probe_parallel_ceiling")
     _, (whole,) = probe._calls("tiny", 1)
     engine, halves = probe._calls("tiny", 2)
     _, (_, second) = probe._calls("tiny", 2)  # a worker's own build: the same second half

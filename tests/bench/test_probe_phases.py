@@ -1,30 +1,19 @@
-"""scripts/probe_phases.py: both trainers' phases from fresh processes (tiny random model)."""
+"""benchmarks/probe_phases.py: both trainers' phases from fresh processes (tiny random model)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import probe_phases as probe
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_phases.py"
-
-
-def _probe():
-    spec = importlib.util.spec_from_file_location("probe_phases", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_phase_means_leave_out_the_warm_up_calls() -> None:
-    probe = _probe()
     means = probe.phase_means({"a": [9.0, 9.0, 0.001, 0.003], "b": [0.002]})
     assert means == {"a": 2.0, "b": 2.0}
 
 
 def test_both_trainers_phases_add_up_to_their_steps(tmp_path: Path) -> None:
-    probe = _probe()
     out = tmp_path / "phases.json"
     argv = ["random:tiny", "--steps", "3", "--rounds", "1", "--out", str(out)]
     result = probe.main([*argv, "rollout.prompts_per_step=2", "rollout.max_new_tokens=6"])
@@ -46,4 +35,4 @@ def test_both_trainers_phases_add_up_to_their_steps(tmp_path: Path) -> None:
 
 def test_the_warm_up_must_leave_steps_to_time() -> None:
     with pytest.raises(SystemExit):
-        _probe().main(["random:tiny", "--steps", "2"])
+        probe.main(["random:tiny", "--steps", "2"])

@@ -9,11 +9,13 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from anchor_rl.bench.report import BEGIN, CLAIMS, END, load_results, measure_claim, splice
+from anchor_rl.bench.claims import CLAIMS, measure_claim
+from anchor_rl.bench.report import BEGIN, END, splice
+from anchor_rl.bench.results import load_results
 from anchor_rl.bench.summary import run_figures, summarise, write_summary
 from anchor_rl.bench.throughput import stage_figures
-from anchor_rl.bench.trl_compare import DIFFERENCES, ratios
-from anchor_rl.bench.trl_compare import summarise as trl_summarise
+from anchor_rl.bench.trl_report import DIFFERENCES, ratios
+from anchor_rl.bench.trl_report import summarise as trl_summarise
 from anchor_rl.cli import app
 
 # Held-out accuracy at steps 0, 2, 4 for two seeds of each label.
@@ -266,7 +268,7 @@ def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> 
 
 @pytest.mark.slow
 def test_the_report_pairs_runs_over_held_out_prompts(tmp_path) -> None:
-    from anchor_rl.bench.report import _paired_table, load_results
+    from anchor_rl.bench.report import _paired_table
 
     root = tmp_path / "suite"
     runs = []

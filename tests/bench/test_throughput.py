@@ -165,25 +165,3 @@ def test_only_the_chosen_layouts_are_planned() -> None:
     assert sorted(s.label for s in specs) == ["grpo+base", "grpo+base-g2"]
     g2 = next(s for s in specs if s.label == "grpo+base-g2").config
     assert g2.cluster.rollout_workers == 2 and g2.rollout.engine_args["num_gpus_per_worker"] > 0
-
-
-def test_probe_cli_parses_measures_prints_and_writes(tmp_path, monkeypatch, capsys) -> None:
-    import sys
-
-    import torch
-
-    from anchor_rl.bench.throughput import probe_cli
-
-    out = tmp_path / "sub" / "probe.json"
-    argv = ["probe", "random:tiny", "--repeats", "2", "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
-    threads = torch.get_num_threads()
-    try:
-        probe_cli("A probe.\n\nMore.", lambda a: {"specs": a.specs, "repeats": a.repeats})
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
-    written = json.loads(out.read_text())
-    assert written == json.loads(capsys.readouterr().out)
-    assert written["specs"] == ["random:tiny"] and written["repeats"] == 2
-    assert written["threads"] == 1 and written["torch"] == torch.__version__

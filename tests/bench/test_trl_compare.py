@@ -10,18 +10,15 @@ import sys
 import pytest
 
 from anchor_rl.bench.runner import BenchArgs
-from anchor_rl.bench.trl_compare import (
+from anchor_rl.bench.trl_compare import RewardCounter
+from anchor_rl.bench.trl_config import (
     INSTALL_HINT,
     checkpointing_argument,
     grpo_config_kwargs,
-    prompt_rows,
-    ratios,
     require_trl,
-    run_figures,
-    stop_token_ids,
-    summarise,
-    task_reward_function,
 )
+from anchor_rl.bench.trl_report import ratios, run_figures, summarise
+from anchor_rl.integrations.trl.data import stop_token_ids, task_dataset, task_reward_function
 from anchor_rl.models.tokenizer import build_tokenizer, encode_prompt
 from anchor_rl.tasks import get_task
 from anchor_rl.trainer.config import ConfigError, load_config
@@ -132,22 +129,21 @@ def test_stop_tokens_prompts_and_reward_match_the_engine() -> None:
         stop_token_ids(tok, ["ab"])
     task = get_task("arithmetic")
     records = task.records("train")[:3]
-    rows = prompt_rows(tok, task, records)
-    assert [r["record"] for r in rows] == [0, 1, 2]
+    rows = task_dataset(task, tok, records)
+    assert rows["prompt_id"] == [r.id for r in records]
     for row, record in zip(rows, records, strict=True):
-        ids = tok(text=row["prompt"], add_special_tokens=False)["input_ids"]
-        assert ids == encode_prompt(tok, record.prompt, task.instruction)
-        assert row["prompt"] == f"<|user|>{record.prompt}<|end|><|assistant|>"
-    generated: list[int] = []
-    reward = task_reward_function(task, records, generated)
+        # TRL renders a conversational prompt with the chat template and generation prompt
+        rendered = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
+        assert rendered["input_ids"] == encode_prompt(tok, record.prompt, task.instruction)
+    reward = RewardCounter(task_reward_function(task, records))
     completions = [f"<answer>{records[2].answer}</answer>", "<answer>-1</answer>"]
     scores = reward(
         prompts=["p", "p"],
         completions=completions,
-        record=[2, 0],
+        prompt_id=[records[2].id, records[0].id],
         completion_ids=[[1] * 5, [2] * 3],
     )
-    assert scores == [1.0, 0.0] and generated == [8]
+    assert scores == [1.0, 0.0] and reward.tokens == [8] and reward.completions == 2
 
 
 def _result(seconds, tokens, rewards, rss, final=None):
@@ -190,7 +186,7 @@ def test_figures_and_ratios_by_hand() -> None:
 
 
 def test_ratio_cells_give_the_paired_mean_and_the_median_of_the_seeds() -> None:
-    from anchor_rl.bench.trl_compare import ratio_cells
+    from anchor_rl.bench.trl_report import ratio_cells
 
     r = {
         "s_per_step": {"mean": 2.02, "half_width": 0.52, "n": 3, "values": [2.26, 1.88, 1.91]},
@@ -249,7 +245,8 @@ def test_jax_is_kept_off_the_gpu_unless_the_environment_says(monkeypatch) -> Non
 
 def test_a_decoder_other_than_the_default_is_named_in_the_summary(tmp_path) -> None:
     from anchor_rl.bench.runner import plan
-    from anchor_rl.bench.trl_compare import TRL_SUITE, _decode_note, _settings
+    from anchor_rl.bench.trl_compare import TRL_SUITE
+    from anchor_rl.bench.trl_report import _decode_note, _settings
 
     (spec,) = plan(TRL_SUITE, tmp_path, seeds=[0], overrides=["rollout.engine_args.decode=graph"])
     assert _settings(spec.config)["anchor_rl_decode"] == "graph"
@@ -263,7 +260,8 @@ def test_a_comparison_cut_short_is_summarised_over_the_seeds_both_trainers_finis
     tmp_path,
 ) -> None:
     from anchor_rl.bench.runner import plan
-    from anchor_rl.bench.trl_compare import TRL_SUITE, rewrite_summary
+    from anchor_rl.bench.trl_compare import TRL_SUITE
+    from anchor_rl.bench.trl_report import rewrite_summary
 
     specs = plan(TRL_SUITE, tmp_path, seeds=[0, 1, 2])
     host = {"device": "cpu", "device_name": "test", "torch_threads": 1, "versions": {}}

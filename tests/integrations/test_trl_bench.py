@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from anchor_rl.bench.commands import FUNCTION_SUITES
 from anchor_rl.bench.runner import BenchArgs
+from anchor_rl.cli.bench import FUNCTION_SUITES
 from anchor_rl.errors import ConfigError
-from anchor_rl.integrations.trl.bench import run_trl_pvpo_suite
+from anchor_rl.bench.trl_pvpo import run_trl_pvpo_suite
 
 
 def test_one_step_of_both_trainers_writes_the_comparison(tmp_path, parity, one_thread) -> None:
-    assert FUNCTION_SUITES["trl-pvpo"] == "anchor_rl.integrations.trl.bench:run_trl_pvpo_suite"
+    assert FUNCTION_SUITES["trl-pvpo"] == "anchor_rl.bench.trl_pvpo:run_trl_pvpo_suite"
     out = tmp_path / "bench"
     args = BenchArgs(out, seeds=[0], profile="quick", overrides=["pvpo.m=3"], echo=lambda _: None)
     result = run_trl_pvpo_suite(args)
