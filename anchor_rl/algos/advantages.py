@@ -24,22 +24,6 @@ from torch import Tensor
 from anchor_rl.algos.gae import gae
 from anchor_rl.registry import Registry
 
-__all__ = [
-    "ESTIMATORS",
-    "Estimator",
-    "drgrpo",
-    "gae_advantage",
-    "grpo",
-    "masked_whiten",
-    "outcome_to_token_rewards",
-    "pvpo",
-    "register_advantage",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "rloo",
-    "v05",
-]
-
 INPUTS = ("rewards", "index", "anchor", "baseline", "token_rewards", "dense_rewards", "mask",
           "gamma", "values", "lam")  # fmt: skip
 """Every input name an estimator may read (what the trainer can supply):

@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LAMBDA_MAX", "gae", "length_adaptive_lambda"]
-
 LAMBDA_MAX = 1.0 - 1e-6
 """Upper clamp of :func:`length_adaptive_lambda` (see its docstring)."""
 

@@ -18,20 +18,6 @@ from torch import Tensor
 
 from anchor_rl.registry import Registry
 
-__all__ = [
-    "AGG_MODES",
-    "KL_KINDS",
-    "POLICY_LOSSES",
-    "register_policy_loss",
-    "agg",
-    "check_bt",
-    "entropy_from_logits",
-    "kl",
-    "nll",
-    "policy_loss",
-    "value_loss",
-]
-
 AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-mean",

@@ -24,8 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["estimated_mse", "extra_rollouts", "fuse"]
-
 
 def _prepare(
     emp_mean: Tensor, k: Tensor, prior: Tensor, sigma2: float | Tensor

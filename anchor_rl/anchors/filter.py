@@ -31,8 +31,6 @@ from anchor_rl.tasks.base import Record
 if TYPE_CHECKING:
     from anchor_rl.anchors.teachers import Teacher
 
-__all__ = ["PAPER_DISTRIBUTIONS", "PAPER_FILTERED", "FilterResult", "FilterStats", "group_filter"]
-
 PAPER_DISTRIBUTIONS: dict[str, tuple[float, float, float]] = {
     "MuSiQue (M=5)": (0.498, 0.426, 0.076),
     "DAPO-Math-17k (M=16)": (0.415, 0.579, 0.006),

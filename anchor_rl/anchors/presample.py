@@ -3,13 +3,8 @@
 The core, :func:`presample`, is generic over a *sampler*, any function
 ``sampler(records, n, first, seed) -> (rewards[P, n], correct[P, n])``.
 :class:`RolloutSampler` is the real one (a rollout engine plus the task's verifier); tests
-use fakes.
-
-Resumable by construction: prompts are sampled in batches and each batch is stored in
-one transaction, so after a crash the prompts that already have M rollouts under the
-key are skipped and a prompt with fewer (only possible after raising M) is topped up.
-Rollout ``j`` of a prompt is seeded by (base seed, key, prompt id, ``j``), so the stored
-statistics do not depend on how the prompts were batched or which process sampled them.
+use fakes. Presampling is resumable and its statistics do not depend on the batching
+(:func:`presample`).
 """
 
 from __future__ import annotations
@@ -43,20 +38,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from anchor_rl.rollout.types import SamplingParams
-
-__all__ = [
-    "PresampleResult",
-    "RefreshMode",
-    "RefreshResult",
-    "RolloutSampler",
-    "Sampler",
-    "presample",
-    "presample_key",
-    "refresh_anchors",
-    "seeded_settings",
-    "refresh_key",
-    "task_params",
-]
 
 Sampler = Callable[[Sequence[Record], int, Sequence[int], Hashable], tuple[Tensor, Tensor]]
 """``sampler(records, n, first, seed) -> (rewards[P, n] float, correct[P, n] bool)``: n rollouts

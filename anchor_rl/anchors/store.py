@@ -34,8 +34,6 @@ from torch import Tensor
 from anchor_rl.anchors.keys import AnchorKey, canonical_json
 from anchor_rl.errors import AnchorRLError
 
-__all__ = ["AnchorStat", "AnchorStore", "TeacherTrajectory", "anchor_values"]
-
 SCHEMA_VERSION = 1
 Table = Literal["stats", "trajectories"]
 
@@ -254,11 +252,6 @@ class AnchorStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def journal_mode(self) -> str:
-        """The SQLite journal mode in effect (``wal``)."""
-        return self._conn.execute("PRAGMA journal_mode").fetchone()[0]
-
     @contextmanager
     def batch(self) -> Iterator[None]:
         """One transaction around every write inside the block (nested blocks join the outer one).
@@ -454,10 +447,6 @@ class AnchorStore:
             ):
                 out[row[0]] = _trajectory(row) if row[1] else None
         return out
-
-    def get_trajectory(self, key: AnchorKey | str, prompt_id: str) -> TeacherTrajectory | None:
-        """The stored trajectory of one prompt, or None (never tried, or the teacher failed)."""
-        return self.get_outcomes(key, [prompt_id]).get(prompt_id)
 
     # -- inspection -------------------------------------------------------------------
 

@@ -57,18 +57,6 @@ from anchor_rl.tasks.base import Record, Task
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = [
-    "HFTeacher",
-    "OpenAITeacher",
-    "OracleTeacher",
-    "Teacher",
-    "TEACHER_SPECS",
-    "TokenizerMismatchError",
-    "make_teacher",
-    "teacher_batch",
-    "teacher_key",
-]
-
 
 class TokenizerMismatchError(ValueError):
     """A teacher's tokens cannot be expressed as the policy's tokens."""
@@ -381,17 +369,7 @@ class HFTeacher:
         out: list[TeacherTrajectory | None],
     ) -> None:
         for i, row, tries in chosen:
-            length = int(batch.attention_mask[row].sum())
-            out[i] = TeacherTrajectory(
-                prompt_id=records[i].id,
-                token_ids=batch.response_ids[row, :length].clone(),
-                logprobs=batch.logprobs[row, :length].clone(),
-                loss_mask=batch.loss_mask[row, :length].clone(),
-                text=batch.texts[row],
-                reward=self.task.reward(batch.texts[row], records[i]),
-                teacher=self.name,
-                tries=tries,
-            )
+            out[i] = _row_trajectory(batch, row, records[i], self.task, self.name, tries)
 
 
 class OpenAITeacher:
@@ -447,8 +425,7 @@ class OpenAITeacher:
         self.url = base_url.rstrip("/") + "/completions"
         self.model, self.task, self.policy_tokenizer = model, task, policy_tokenizer
         self.params = task_params(params, task)
-        self.tries, self.concurrency, self.seed = tries, concurrency, seed
-        self.api_key, self.timeout = api_key, timeout
+        self.tries, self.seed = tries, seed
         self.extra_body = (
             dict(extra_body) if extra_body is not None else {"include_stop_str_in_output": True}
         )
@@ -494,7 +471,7 @@ class OpenAITeacher:
         """Up to ``tries`` samples per record (one per round for the records still unsolved);
         the first the verifier accepts, or None."""
         out: list[TeacherTrajectory | None] = [None] * len(records)
-        pending = list(range(len(records)))
+        pending, name = list(range(len(records))), f"{self.name}:{self.model}"
         for attempt in range(self.tries):
             if not pending:
                 break
@@ -505,28 +482,31 @@ class OpenAITeacher:
             batch = self._rollout(requests)
             solved = set()
             for row, i in enumerate(pending):
-                length = int(batch.attention_mask[row].sum())
-                text = batch.texts[row]
-                if not _trainable(batch, row):
-                    continue
-                if not self.task.correct(text, records[i]):
-                    continue
-                out[i] = TeacherTrajectory(
-                    prompt_id=records[i].id,
-                    token_ids=batch.response_ids[row, :length].clone(),
-                    logprobs=batch.logprobs[row, :length].clone(),
-                    loss_mask=batch.loss_mask[row, :length].clone(),
-                    text=text,
-                    reward=self.task.reward(text, records[i]),
-                    teacher=f"{self.name}:{self.model}",
-                    tries=attempt + 1,
-                )
-                solved.add(i)
+                if _trainable(batch, row) and self.task.correct(batch.texts[row], records[i]):
+                    out[i] = _row_trajectory(batch, row, records[i], self.task, name, attempt + 1)
+                    solved.add(i)
             pending = [i for i in pending if i not in solved]
         return out
 
 
 TEACHER_SPECS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL")
+
+
+def _row_trajectory(
+    batch: RolloutBatch, row: int, record: Record, task: Task, teacher: str, tries: int
+) -> TeacherTrajectory:
+    """Row ``row`` of a sampled ``batch`` as ``record``'s trajectory, scored by ``task``."""
+    length = int(batch.attention_mask[row].sum())
+    return TeacherTrajectory(
+        prompt_id=record.id,
+        token_ids=batch.response_ids[row, :length].clone(),
+        logprobs=batch.logprobs[row, :length].clone(),
+        loss_mask=batch.loss_mask[row, :length].clone(),
+        text=batch.texts[row],
+        reward=task.reward(batch.texts[row], record),
+        teacher=teacher,
+        tries=tries,
+    )
 
 
 def _trainable(batch: RolloutBatch, row: int) -> bool:

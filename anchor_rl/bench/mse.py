@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,6 @@ from typing import Any
 from rich.progress import track
 
 from anchor_rl.bench.simulate import SimConfig, SimResult, simulate
-
-__all__ = ["run_baseline_mse"]
 
 CONFIGS: tuple[tuple[str, str], ...] = (
     ("pm1", "worst"),
@@ -135,38 +134,41 @@ def _markdown(results: list[SimResult], seed: int, quick: bool, elapsed: float) 
     return "\n".join(intro) + "\n\n".join(_table(r) for r in results) + "\n"
 
 
-def _legend(fig: Any, axes: Any) -> None:
-    """One legend for all panels, below them (every panel draws the same series)."""
-    handles, labels = axes[-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
-
-
-def _plot_vs_p(res: SimResult, path: Path) -> None:
+def _panels(
+    res: SimResult, draw: Callable[[Any, int], None], ylabel: str, x: str, path: Path
+) -> None:
+    """One panel per prior bias (``draw(ax, bias index)`` fills it), one legend below them
+    (every panel draws the same series), saved to ``path``."""
     from matplotlib.figure import Figure
 
     cfg = res.config
     fig = Figure(figsize=(4 * len(cfg.biases), 4.2), layout="constrained")
     axes = fig.subplots(1, len(cfg.biases), sharey=True, squeeze=False)[0]
     for i, (ax, bias) in enumerate(zip(axes, cfg.biases, strict=True)):
-        for name, label, style in P_PLOT:
-            ax.plot(cfg.p_grid, res.mse[name][i].tolist(), style, label=label)
+        draw(ax, i)
         ax.set_title(f"prior bias {bias:g}")
-        ax.set_xlabel("true success probability p")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("baseline MSE")
-    _legend(fig, axes)
+    axes[0].set_ylabel(ylabel)
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
     lo, hi = cfg.reward_range
-    fig.suptitle(f"Baseline MSE vs p (rewards {lo:g}/{hi:g}, sigma^2 {cfg.sigma2})")
+    fig.suptitle(f"Baseline MSE vs {x} (rewards {lo:g}/{hi:g}, sigma^2 {cfg.sigma2})")
     fig.savefig(path, dpi=110)
 
 
-def _plot_vs_rollouts(res: SimResult, path: Path) -> None:
-    from matplotlib.figure import Figure
+def _plot_vs_p(res: SimResult, path: Path) -> None:
+    def draw(ax: Any, i: int) -> None:
+        for name, label, style in P_PLOT:
+            ax.plot(res.config.p_grid, res.mse[name][i].tolist(), style, label=label)
+        ax.set_xlabel("true success probability p")
+        ax.grid(alpha=0.3)
 
+    _panels(res, draw, "baseline MSE", "p", path)
+
+
+def _plot_vs_rollouts(res: SimResult, path: Path) -> None:
     cfg = res.config
-    fig = Figure(figsize=(4 * len(cfg.biases), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(cfg.biases), sharey=True, squeeze=False)[0]
-    for i, (ax, bias) in enumerate(zip(axes, cfg.biases, strict=True)):
+
+    def draw(ax: Any, i: int) -> None:
         for prefix, label in (
             ("group_mean", "group mean"),
             ("loo", "leave-one-out"),
@@ -188,14 +190,10 @@ def _plot_vs_rollouts(res: SimResult, path: Path) -> None:
         if anchor > 0:
             ax.plot(0, anchor, "s", label="static anchor")
         ax.set_yscale("log")
-        ax.set_title(f"prior bias {bias:g}")
         ax.set_xlabel("mean rollouts per prompt")
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("baseline MSE (mean over p)")
-    _legend(fig, axes)
-    lo, hi = cfg.reward_range
-    fig.suptitle(f"Baseline MSE vs rollouts (rewards {lo:g}/{hi:g}, sigma^2 {cfg.sigma2})")
-    fig.savefig(path, dpi=110)
+
+    _panels(res, draw, "baseline MSE (mean over p)", "rollouts", path)
 
 
 def run_baseline_mse(

@@ -42,26 +42,12 @@ import contextlib
 import json
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
-from anchor_rl.trainer.presets import builtin_names, parse_override, read_builtin_toml, read_preset
-
-SUITE_KEYS = {
-    "description",
-    "presets",
-    "seeds",
-    "base",
-    "per_preset",
-    "variants",
-    "profiles",
-    "runs",
-    "target_accuracy",
-    "target_metric",
-    "baseline",
-}
+from anchor_rl.trainer.presets import parse_override, read_builtin_toml, read_preset
 
 
 @dataclass(frozen=True)
@@ -87,6 +73,10 @@ class Suite:
     baseline: str | None = None
     """The run label the paired comparisons over held-out prompts compare every other label
     to (None: the first label)."""
+
+
+SUITE_KEYS = {f.name for f in fields(Suite)} - {"name"}
+"""The keys a suite file may hold."""
 
 
 @dataclass(frozen=True)
@@ -122,11 +112,6 @@ class RunSpec:
     seed: int
     config: TrainConfig
     run_dir: Path
-
-
-def suite_names() -> list[str]:
-    """Names of the built-in suites."""
-    return builtin_names("anchor_rl.bench", "suites")
 
 
 def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:

@@ -46,8 +46,6 @@ from torch import Tensor
 from anchor_rl.algos import v05
 from anchor_rl.methods.v05 import budget_sigma2, sigma2_of
 
-__all__ = ["PAPER_COST", "REWARD_RANGES", "SimConfig", "SimResult", "simulate"]
-
 PAPER_COST = 0.0039  # per rollout, +-1 rewards (V0.5 paper)
 REWARD_RANGES: dict[str, tuple[float, float]] = {"pm1": (-1.0, 1.0), "binary": (0.0, 1.0)}
 

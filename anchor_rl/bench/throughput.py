@@ -23,19 +23,10 @@ measures that one model instead (a Hugging Face model directory, ``random:base``
 is named after the spec (a directory by its name) and its parameters and hidden width are
 read from its config.
 
-On the CPU, ``tiny`` and ``small`` also run in the cluster layouts (:data:`LAYOUTS`): one
-process with one thread, 1 and 2 Ray rollout workers of one thread each, 2 learner ranks of
-one thread each, both, 1 worker with asynchronous rollouts (``cluster.async_steps=1``: its
-``generate`` time is the driver's wait, so its s/step is the figure to compare), and one
-process with one thread on the plain paths (the model's own forward for decoding,
-``decode=hf``, and padded scoring, ``optim.padding_free=off``: the engine and update
-without the static cache and packing); the driver then has one thread. Layout
-``t1b`` is the one process at one thread with its forward passes in bf16
-(``optim.autocast=bf16``), ``t1n`` the same without shared-prefix scoring
-(``optim.shared_prefix=off``: each response's prompt scored with it, packed), ``l2f``
-the 2 learners sharded with FSDP2 (``cluster.learner_sharding=fsdp``). A row's
-``layout`` says which, so rollout tokens/s of 2 workers compare with 1 worker and with the
-one process at the machine's threads (the default).
+On the CPU, ``tiny`` and ``small`` also run in the other layouts of :data:`LAYOUTS` (one
+thread per process: Ray rollout workers, learner ranks, asynchronous rollouts, whose
+``generate`` time is the driver's wait so their s/step is the figure to compare, bf16, the
+plain paths). A row's ``layout`` says which.
 Writes ``throughput.json``, ``throughput.md`` and ``stage_time.png``.
 """
 
@@ -303,13 +294,6 @@ def matmul_dtypes(cfg: Any) -> tuple[str, str]:
     return sampling, bf16 if cfg.optim.autocast == "bf16" else "float32"
 
 
-def hidden_size(size: str) -> int:
-    """The hidden width of a built-in size."""
-    from anchor_rl.models.factory import SIZES
-
-    return int(SIZES[size]["hidden_size"])
-
-
 def model_name(spec: str) -> str:
     """A row and run-directory name for a model spec: a directory's own name, else the spec
     with anything but letters, digits, ``.`` and ``_`` made ``_`` (``random:base`` ->
@@ -321,38 +305,27 @@ def model_name(spec: str) -> str:
 def model_shape(spec: str) -> tuple[int, int]:
     """``(parameters, hidden width)`` of a model spec: a built-in size's (``random:SIZE``,
     ``sft:SIZE``, ``teacher:SIZE``) or a Hugging Face directory's, read from its config and
-    counted on the meta device (no weights loaded)."""
+    counted on the meta device (tied embeddings once, no weights loaded)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from anchor_rl.errors import AnchorRLError
-    from anchor_rl.models.factory import SIZES
+    from anchor_rl.models.factory import SIZES, model_config
+    from anchor_rl.models.tokenizer import build_tokenizer
 
     kind, _, size = spec.partition(":")
     if kind in {"random", "sft", "teacher"} and size in SIZES:
-        return parameter_count(size), hidden_size(size)
-    if not (Path(spec) / "config.json").is_file():
+        config = model_config(size, build_tokenizer())
+    elif (Path(spec) / "config.json").is_file():
+        config = AutoConfig.from_pretrained(spec)
+    else:
         raise AnchorRLError(
             f"model {spec!r} is neither a model directory (no config.json there) nor a spec "
             f"like random:base; sizes: {', '.join(SIZES)}"
         )
-    config = AutoConfig.from_pretrained(spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters()), int(config.hidden_size)
-
-
-def parameter_count(size: str) -> int:
-    """Parameters of a built-in size (tied embeddings once), counted on the meta device."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from anchor_rl.models.factory import model_config
-    from anchor_rl.models.tokenizer import build_tokenizer
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_config(size, build_tokenizer()))
-    return sum(p.numel() for p in model.parameters())
 
 
 def run_throughput_suite(

@@ -39,8 +39,6 @@ from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.trainer.config import TrainConfig
 from anchor_rl.trainer.presets import parse_override
 
-__all__ = ["FIGURES", "TRL_PVPO_SUITE", "figures", "run_trl_pvpo_suite", "train_one"]
-
 SUITE_NAME = "trl-pvpo"
 METHODS = ("grpo", "pvpo")
 RESULT_FILE = "result.json"

@@ -7,18 +7,14 @@ rank 0 broadcasts the step's batch and mini-batch schedule; every rank then runs
 ``update.ppo_update`` on its share of each mini-batch (``data_parallel.DataParallel``)
 through a ``DistributedDataParallel`` replica, whose backward sums the gradients over the
 ranks, so the ranks take identical steps and rank 0's weights are what one process would
-have computed, up to float summation order. With a
-critic (PPO, VAPO) every rank also holds a critic replica and runs its share of the value
-update the same way (``critic_update``; ``fit_values`` with ``dp``).
-Checkpoints are rank 0's (a consolidated state), so a run resumes on any number of
-learners. A rank that dies ends the run with a clear error naming it, its exit code and its
-error; its last checkpoint resumes it. A rank that dies while the ranks start ends the start
-at once when it dies setting itself up (:func:`_await_joining`), after ``RENDEZVOUS`` when
-it dies in the rendezvous itself: not after the group's 30-minute ``TIMEOUT``.
-A divergence (``NonFiniteError``) is raised by rank 0 alone, with the run's message: the
-other ranks meet it at the same check (the policy's figures are summed over the ranks
-before it; the critic's ``fit_values`` asks every rank, ``DataParallel.stopping``), skip
-the step and wait for rank 0's stop.
+have computed, up to float summation order. With a critic (PPO, VAPO) every rank also holds
+a critic replica and runs its share of the value update the same way (``critic_update``;
+``fit_values`` with ``dp``). Checkpoints are rank 0's (a consolidated state), so a run
+resumes on any number of learners. A rank that dies ends the run with a clear error naming
+it, its exit code and its error (also while the ranks start: :func:`_await_joining`,
+``RENDEZVOUS``); its last checkpoint resumes it. A divergence (``NonFiniteError``) is raised
+by rank 0 alone, with the run's message; the other ranks skip the step and wait for rank
+0's stop (:func:`_learner`).
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
 shard of the policy (``data_parallel.shard_model``) with its own shard of the AdamW state,
@@ -467,9 +463,7 @@ def _learner(
     # Leave without tearing this rank's objects down. A DDP reducer still holds the process
     # group; freeing it on return destroys the group while gloo's worker thread is still
     # disposing of the last broadcast, and that thread waits for the GIL this one holds in
-    # the destructor: a deadlock (about one exit in three in the learner tests) that held
-    # `close` for its 30 s join timeout. Nothing here needs finalising: rank 0 writes
-    # every output.
+    # the destructor: a deadlock. Nothing here needs finalising: rank 0 writes every output.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -30,10 +30,8 @@ Modes.
   is trained by the policy loss alone. The trainer may therefore add the value loss to
   the policy's loss terms in one backward or run it in its own backward -- the gradients
   are the same either way -- and steps the critic's optimiser (head only) and the
-  policy's optimiser independently. (We chose this over letting value gradients into the
-  backbone, which would tie the two updates together: both losses in one backward, one
-  schedule for both, and the value loss reshaping the policy between its ratio
-  computations.) The probe costs one extra gradient-free backbone forward per value
+  policy's optimiser independently, so the value loss never reshapes the policy between
+  its ratio computations. The probe costs one extra gradient-free backbone forward per value
   call and keeps no backbone activations for backward. The policy's train/eval mode is
   left as the trainer set it.
 """

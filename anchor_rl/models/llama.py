@@ -144,11 +144,9 @@ class FrozenLayer:
     :func:`~anchor_rl.models.packed.prepared_product`), and the norms and the activation
     computed as the modules compute them, without a module call.
 
-    On the CPU a small model's decode step is bound by dispatch, not arithmetic: a ``tiny``
-    step ran ~160 operators, each a few microseconds of Python and dispatcher (a bfloat16
-    product below ~64 rows costs ~17 µs whatever its size), so four products in place of
-    seven and no module calls sample faster (``docs/results.md``). The outputs are the
-    modules': the same operations on the same values, bfloat16 products bitwise (each
+    On the CPU a small model's decode step is bound by dispatch, not arithmetic, so four
+    products in place of seven and no module calls sample faster (``docs/results.md``). The
+    outputs are the modules': the same operations on the same values, bfloat16 products bitwise (each
     output is the same dot product), float32 ones within their summation order. The
     concatenated weights are copies made here: prepare again after the weights change
     (the decoder does, once per turn).
@@ -189,8 +187,7 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """Llama's RMSNorm (as ``LlamaRMSNorm.forward``, Mistral's and Qwen2's): normalised in
     float32, cast back to ``hidden``'s dtype, then scaled by ``weight``. The normalisation is
     PyTorch's one operator (``F.rms_norm``) where the module spells out six; the same values
-    (bitwise, float32 and bfloat16, in the tests), and a decode step's nine norms ~50 µs
-    sooner on one CPU thread. In float32 the weight's product is inside the operator too
+    (bitwise, float32 and bfloat16, in the tests). In float32 the weight's product is inside the operator too
     (the same product in the same order: bitwise), and no cast is dispatched."""
     if hidden.dtype == weight.dtype == torch.float32:
         return F.rms_norm(hidden, hidden.shape[-1:], weight, eps)
@@ -239,8 +236,7 @@ def module_layers(inner: nn.Module, rows: int) -> list[ModuleLayer]:
     """The decoder layers of ``inner`` run through their modules, for a pass of ``rows``
     rows, with packed weights when no gradient is taken (``packed.linears_for``). The
     scoring passes run so: at their thousands of rows the prepared layers gain nothing
-    (``tiny``'s reference pass measured 4% slower with them: their q, k and v are
-    strided views of one product)."""
+    (their q, k and v are strided views of one product)."""
     linear = linears_for(inner, rows)
     return [ModuleLayer(layer, linear) for layer in inner.layers]
 

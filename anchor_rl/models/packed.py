@@ -6,12 +6,9 @@ PyTorch's float32 product ``x @ W.T`` on the CPU is MKL's GEMM on the plain ``[o
 weight, at every call (bfloat16 goes to oneDNN). A weight reordered once into oneDNN's
 blocked layout (``mkldnn::_reorder_linear_weight``, what ``torch.compile``'s CPU freezing
 does) and multiplied by ``mkldnn::_linear_pointwise`` is faster at the shapes of a GRPO
-step where the weight is large: on the 2-core AMD EPYC of ``docs/results.md``, one thread,
-a ``[25, 256] x [256, 1024]`` decode product takes 133 µs instead of 172 in float32 and 76
-instead of 88 in bfloat16, a ``[2809, 256] x [256, 1024]`` scoring one 13.7 ms instead of
-16.7; a ``[64, 128] x [128, 512]`` one gains nothing in float32 and a ``[20, 128] x [128,
-128]`` one takes twice as long, hence :data:`PACK_MIN_ELEMENTS`. Packing takes ~1 ms per
-million weights, once per decoding turn or scoring pass (``benchmarks/probe_packed.py``).
+step where the weight is large and slower where it is small, hence
+:data:`PACK_MIN_ELEMENTS` (``docs/results.md``, ``benchmarks/probe_packed.py``). Packing
+happens once per decoding turn or scoring pass.
 
 The products are the same function; bfloat16 ones are bitwise equal to ``F.linear``'s
 (the same oneDNN kernel), float32 ones differ by the summation order (~1e-6 relative).
@@ -150,6 +147,9 @@ def linears_for(model: nn.Module, rows: int) -> Linear:
     too where :func:`packing_on` says no."""
     if torch.is_grad_enabled() or not packing_on():
         return plain
-    modules = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    # a LoRA layer's base layer runs inside the LoRA layer's own forward: packing it would
+    # only copy its weights (anchor_rl.models.lora)
+    wrapped = {id(m.base_layer) for m in model.modules() if hasattr(m, "lora_A")}
+    modules = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in wrapped]
     packed = PackedLinears(modules, rows)
     return packed if len(packed) else plain

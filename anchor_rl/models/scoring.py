@@ -48,17 +48,6 @@ from anchor_rl.models.shared_prefix import (
 if TYPE_CHECKING:
     from anchor_rl.batch import RolloutBatch
 
-__all__ = [  # left_pad and position_ids live in models.padding; imported from here too
-    "ScoringForward",
-    "entropy_from_logp",
-    "left_pad",
-    "pack_prompt_response",
-    "pack_rows",
-    "packing_supported",
-    "position_ids",
-    "token_logprobs",
-]
-
 
 def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
     """Entropy ``-sum p log p`` over the last axis of normalised log-probs ``[..., V]``.

@@ -182,10 +182,8 @@ class SharedPrefixLayout:
 SDPA_CUDNN = os.environ.get("ANCHOR_RL_SDPA_CUDNN", "off").lower() in ("1", "on")
 """Whether this module's attention may use cuDNN's backend on CUDA (off unless the
 environment sets ``ANCHOR_RL_SDPA_CUDNN=on``). PyTorch may pick cuDNN for bfloat16 on
-Hopper GPUs, and cuDNN builds an execution plan for each new shape (hundreds of ms each);
-the buckets' shapes change from step to step. On an H100, ``base``'s bf16 update stalled
-for 5.5-6.5 s at some steps with cuDNN allowed, and took 0.27-0.30 s at every step after
-the first without it (docs/results.md, "On a GPU (NVIDIA H100)")."""
+Hopper GPUs, and cuDNN builds an execution plan for each new shape, while the buckets'
+shapes change from step to step (docs/results.md)."""
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -213,9 +211,8 @@ def _attend(
     ``allowed[R, 1, Q, K]``; the heads' outputs ``[R, Q, heads * D]``, in ``v``'s dtype.
 
     On the CPU, attention in bfloat16 (under ``optim.autocast = "bf16"``, or a bfloat16
-    model) runs in float32 instead: the CPU kernel's bfloat16 backward is ~4x slower than
-    its float32 one at the shapes of a GRPO step (``benchmarks/probe_attention.py``), and a
-    float32 softmax is the more exact.
+    model) runs in float32 instead: the CPU kernel's bfloat16 backward is slower than its
+    float32 one (``benchmarks/probe_attention.py``), and a float32 softmax is the more exact.
     """
     device, dtype = q.device.type, v.dtype
     upcast = device == "cpu" and (torch.is_autocast_enabled(device) or dtype != torch.float32)
@@ -244,8 +241,8 @@ def padded_rows(n: int, like: torch.Tensor) -> int:
 
     PyTorch runs CPU bfloat16 products on oneDNN, which builds (JIT-compiles) a primitive
     for every new shape and caches it; the token count changes every step, so every
-    token-wide product of every step paid for a new one (3-6 ms each on an Intel Xeon, a
-    dozen per step), more than the padding's arithmetic costs (docs/results.md). float32
+    token-wide product of every step paid for a new one, more than the padding's arithmetic
+    costs (docs/results.md). float32
     products go to MKL, which has no such cost: no padding."""
     device = like.device.type
     half = torch.is_autocast_enabled(device) or like.dtype in (torch.bfloat16, torch.float16)

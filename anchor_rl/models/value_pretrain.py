@@ -335,9 +335,9 @@ def pretrain_value_cached(
     """:func:`pretrain_value` with its result cached on disk: ``(critic, history)``.
 
     The cache entry is ``cache_dir/value-<hash>`` with the hash of ``key_dict`` and every
-    setting that changes the result (``steps``, ``lr``, ``value_clip``, ``mini_batch``,
-    ``max_grad_norm``, ``weight_decay``, ``betas``, ``ev_threshold``, ``seed``, ``gamma``; not ``micro_batch``,
-    ``device`` or ``progress``). ``key_dict`` must identify everything else the result
+    setting that changes the result (``steps``, ``lr`` and the keywords but ``policy``,
+    ``micro_batch``, ``device`` and ``progress``).
+    ``key_dict`` must identify everything else the result
     depends on: the reference policy checkpoint, the critic's initialisation and mode, the
     task and prompts, sampling parameters and seeds. On a hit nothing is built, sampled or
     trained: the critic is read with ``Critic.load(entry, policy=policy, device=device)``
@@ -368,21 +368,9 @@ def pretrain_value_cached(
 
     critic = build_critic()
     history = pretrain_value(
-        critic,
-        sample_fn,
-        steps,
-        lr,
-        value_clip=value_clip,
-        mini_batch=mini_batch,
-        micro_batch=micro_batch,
-        max_grad_norm=max_grad_norm,
-        weight_decay=weight_decay,
-        betas=betas,
-        ev_threshold=ev_threshold,
-        seed=seed,
-        gamma=gamma,
+        critic, sample_fn, **(settings | {"betas": betas}), micro_batch=micro_batch,
         progress=progress,
-    )
+    )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".value-{digest}-"))
     try:

@@ -38,8 +38,6 @@ from multiprocessing.pool import Pool
 
 from math_verify import parse, verify
 
-__all__ = ["MAX_ANSWER_CHARS", "MathVerifier", "math_equal"]
-
 MAX_ANSWER_CHARS = 1_000
 """The longest prediction :class:`MathVerifier` parses by default (see the module docstring)."""
 

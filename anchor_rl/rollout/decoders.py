@@ -29,10 +29,9 @@ buffers get the whole budget's columns at the prefill, a step writes its column 
 ``index_copy_`` at a column held in a device tensor and attends over its span (the first
 128, 256, 512, ... columns, the smallest past it; unwritten ones masked), and finished rows
 stay in the buffers (no compaction), so one graph per span, captured at the span's first
-step, serves all its steps. On a GPU a decode step of a small model is bound by launching
-its few hundred kernels one by one; a graph launches them at once (measured in
-docs/results.md, "On a GPU (NVIDIA H100): CUDA graphs and the cuDNN A/B"). Under ``auto`` a capture that fails is reported as a warning
-and the model decodes without graphs from then on; under ``graph`` it is an error.
+step, serves all its steps: a graph launches a step's kernels at once (docs/results.md).
+Under ``auto`` a capture that fails is reported as a warning and the model decodes without
+graphs from then on; under ``graph`` it is an error.
 """
 
 from __future__ import annotations
@@ -93,8 +92,6 @@ class HFDecoder:
         self.model = model
         self.cache = None
         self.mask: torch.Tensor | None = None
-        # transformers 5.2x renamed the forward's and output's ``past_key_values`` to
-        # ``cache`` (the old name warns, and goes in 5.40); earlier 5.x know only the old one
         self.cache_name = cache_argument(model)
 
     def prefill(
@@ -171,21 +168,18 @@ class StaticDecoder:
     - ``sdpa``: PyTorch's ``scaled_dot_product_attention`` on keys and values ``[B, H_kv,
       W, D]`` with a boolean mask, the query heads of each key/value head folded into the
       query axis. On the CPU its fused kernel reads the cache once and keeps the softmax in
-      float32, where a bfloat16 batched matmul of a decode step's shapes is slow: bfloat16
-      rollouts took 0.75-0.85x the ``matmul`` time (``tiny`` and ``small``, Intel Xeon); in
-      float32 0.99-1.04x, no gain, so float32 keeps ``matmul`` (``docs/results.md``).
+      float32, where a bfloat16 batched matmul of a decode step's shapes is slow
+      (``docs/results.md``).
     - ``matmul``: two batched matmuls and a float32 softmax between them, keys stored
       transposed (``[B, H_kv, D, W]``, so the scores are a matmul on a plain column slice),
-      values ``[B, H_kv, W, D]``; what CUDA runs (and captures in graphs), measured there.
-      A step's scores are one ``baddbmm`` (scale and mask inside the product: a float32
-      ``tiny`` turn 0.95x the time of a product, a multiply and an add); the prefill keeps
-      its mask broadcast over the heads (per head it would be a copy as large as the scores).
+      values ``[B, H_kv, W, D]``; what CUDA runs (and captures in graphs). A step's scores
+      are one ``baddbmm`` (scale and mask inside the product); the prefill keeps its mask
+      broadcast over the heads (per head it would be a copy as large as the scores).
 
     ``W`` starts at the context's length ``L`` plus :attr:`GROW_COLUMNS` and grows
     by as many columns whenever the buffers fill, up to ``L + budget``: a step reads the
-    first ``K`` columns of every row, and rows much wider than ``K`` make that read strided
-    (on the CPU, a ``tiny`` step's attention over 28 of 92 columns took ~4x as long as over
-    28 of 36). A step past the budget is an error.
+    first ``K`` columns of every row, and rows much wider than ``K`` make that read strided.
+    A step past the budget is an error.
     """
 
     COMPACT_BELOW = 0.75
@@ -196,9 +190,7 @@ class StaticDecoder:
     columns (:meth:`span`)."""
 
     GROW_COLUMNS = 8
-    """Columns of room the buffers get at a time (at prefill, and whenever they fill): on
-    the CPU, 4, 8 and 16 sample a GRPO step's rollout equally fast within noise, all
-    faster than room for the whole budget (``docs/results.md``)."""
+    """Columns of room the buffers get at a time (at prefill, and whenever they fill)."""
 
     def __init__(
         self,
@@ -469,8 +461,7 @@ class StaticDecoder:
     def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables ``cos``, ``signed_sin`` ``[B, n, 1, D]`` (one for every head) of
         positions ``pos[B, n]`` for ``hidden`` (its dtype): looked up in the turn's tables
-        (bitwise the values the rotary module computes per step, in fewer operators: 0.98-1.00x
-        a ``tiny`` rollout's time on the CPU, docs/results.md), else computed."""
+        (bitwise the values the rotary module computes per step), else computed."""
         if not self._tables:
             cos, sin = rotary_tables(self.inner, hidden, pos)
             return cos[:, :, None], sin[:, :, None]

@@ -20,16 +20,6 @@ from transformers import PreTrainedTokenizerBase
 
 from anchor_rl.errors import AnchorRLError
 
-__all__ = [
-    "Client",
-    "ServerError",
-    "ServerInfo",
-    "ServerTimeoutError",
-    "ServerUnreachableError",
-    "base_url",
-    "parse_http_spec",
-]
-
 RETRY_STATUS = frozenset({500, 502, 503, 504})
 """HTTP statuses retried with back-off (a server restarting or overloaded); other errors are final."""
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from anchor_rl.models.scoring import left_pad, position_ids
+from anchor_rl.models.padding import left_pad, position_ids
 from anchor_rl.rollout.decoders import DecodeMode, decoder_for
 
 EOS = "<eos>"

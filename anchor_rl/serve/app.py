@@ -35,10 +35,8 @@ from starlette.routing import Route
 from anchor_rl.rollout.sampling import Turn
 from anchor_rl.serve.batcher import Batcher
 from anchor_rl.serve.model import ModelServer
-from anchor_rl.serve.protocol import BadRequest, Job, parse_chat, parse_completion
+from anchor_rl.serve.protocol import BadRequest, Job, Parsed, parse_chat, parse_completion
 from anchor_rl.serve.responses import chat_body, completion_body
-
-__all__ = ["ServerThread", "build_app", "error_response"]
 
 log = logging.getLogger("anchor_rl.serve")
 
@@ -159,23 +157,19 @@ def build_app(
             )
         return JSONResponse(await batcher.call(server.reload, path))
 
-    @_endpoint
-    async def completions(request: Request) -> Response:
-        parsed = parse_completion(await _json(request), server)
-        job = parsed.job()
-        turns = await _sample(request, batcher, job)
-        if turns is None:
-            return Response(status_code=499)
-        return JSONResponse(completion_body(server, parsed, turns, job.revision))
+    def sampling(parse: Callable[..., Parsed], answer: Callable[..., dict]) -> Handler:
+        """An endpoint that parses a request with ``parse``, samples it, answers with ``answer``."""
 
-    @_endpoint
-    async def chat(request: Request) -> Response:
-        parsed = parse_chat(await _json(request), server)
-        job = parsed.job()
-        turns = await _sample(request, batcher, job)
-        if turns is None:
-            return Response(status_code=499)
-        return JSONResponse(chat_body(server, parsed, turns, job.revision))
+        @_endpoint
+        async def endpoint(request: Request) -> Response:
+            parsed = parse(await _json(request), server)
+            job = parsed.job()
+            turns = await _sample(request, batcher, job)
+            if turns is None:
+                return Response(status_code=499)
+            return JSONResponse(answer(server, parsed, turns, job.revision))
+
+        return endpoint
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -197,8 +191,8 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/tokenizer", tokenizer, methods=["GET"]),
         Route("/v1/weights", weights, methods=["GET", "POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", sampling(parse_completion, completion_body), methods=["POST"]),
+        Route("/v1/chat/completions", sampling(parse_chat, chat_body), methods=["POST"]),
     ]
     app = Starlette(
         routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan

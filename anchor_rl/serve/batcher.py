@@ -14,8 +14,6 @@ from anchor_rl.rollout.sampling import Turn
 from anchor_rl.serve.model import ModelServer
 from anchor_rl.serve.protocol import Job
 
-__all__ = ["Batcher"]
-
 
 class _Batch:
     """The jobs of one sampler call: equal keys, at most ``max_batch`` rows together."""

@@ -21,8 +21,6 @@ from anchor_rl.models.tokenizer import id_count
 from anchor_rl.rollout.sampling import StopSet, Turn, eos_ids, generate_turn
 from anchor_rl.serve.protocol import BadRequest, Job
 
-__all__ = ["ModelServer"]
-
 
 class ModelServer:
     """The served model and tokenizer; sampling and weight reloads, one call at a time (the

@@ -18,8 +18,6 @@ from transformers import PreTrainedTokenizerBase
 from anchor_rl.rollout.engine import request_seed
 from anchor_rl.rollout.sampling import Turn
 
-__all__ = ["BadRequest", "Job", "Parsed", "Served", "parse_chat", "parse_completion"]
-
 MAX_CHOICES = 4096
 """Most choices (prompts x n) one request may ask for."""
 

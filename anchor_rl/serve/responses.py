@@ -15,8 +15,6 @@ from anchor_rl.rollout.sampling import EOS, Turn
 from anchor_rl.serve.model import ModelServer
 from anchor_rl.serve.protocol import Parsed
 
-__all__ = ["chat_body", "completion_body", "text_offsets"]
-
 
 def _text(tok: PreTrainedTokenizerBase, turn: Turn, parsed: Parsed) -> str:
     """The choice's text: the stop string cut off unless ``include_stop_str_in_output``."""

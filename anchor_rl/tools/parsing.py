@@ -58,9 +58,7 @@ def split_tool_output(text: str) -> list[tuple[str, bool]]:
     text around them is the policy's (``True``). A block runs from a ``<result>`` to the
     first ``</result>`` after it; an open tag with no close after it starts no block.
     Empty pieces are left out. Linear time: each block is found with two forward
-    searches that never look back (a regular expression's lazy ``.*?`` retried from
-    every unclosed ``<result>`` was quadratic: a policy writing ``<result>`` 10,000
-    times stalled the tokenizer for seconds).
+    searches that never look back.
     """
     pieces: list[tuple[str, bool]] = []
     start = 0

@@ -21,10 +21,8 @@ The critic is updated before the policy (as verl does); neither update reads the
 result within a step. Tool-output tokens and padding (``mask == 0``) are skipped by GAE
 and carry no value loss.
 
-The critic is a copy of the *initial* policy's backbone with a zero-initialised value
-head (:mod:`anchor_rl.models.critic`): we initialise from the SFT reference, where the
-VAPO paper initialises from a reward model, which this project does not have. Value
-pretraining (``critic.pretrain_steps``) fits it to Monte-Carlo returns of the fixed
+The critic starts from the *initial* policy's backbone (:mod:`anchor_rl.models.critic`).
+Value pretraining (``critic.pretrain_steps``) fits it to Monte-Carlo returns of the fixed
 initial policy before RL, on a prompt stream and sampling seeds of its own, so the
 RL run sees the same prompts with or without it; the result is cached and reused
 (:func:`anchor_rl.models.value_pretrain.pretrain_value_cached`).

@@ -2,17 +2,9 @@
 
 The method's decisions (anchor seed, presampling walk, group sampling, teacher rows,
 refresh) live in :mod:`anchor_rl.methods.pvpo`, shared with the TRL and verl plug-ins; this
-module connects them to a run. Shapes: P prompts, B responses, T response tokens.
-
-    set-up      presample_anchors  presample the reference M times per training prompt into the
-                                   anchor store (rows under the same key are reused): the
-                                   prompts a seeded walk needs for the run (pvpo.prompts)
-                PVPO.build         then, with filter.kind = "group", group sampling: drop
-                                   acc = 1, keep 0 < acc < 1, ask the teacher for acc = 0
-    each step   on_rollouts        every pvpo.refresh_every steps re-estimate the anchors; a
-                                   prompt's cached teacher trajectory replaces one of its N
-                                   rollouts and is scored by the task's verifier like any rollout
-                advantage_inputs   ``anchor[B]``: V_sta of each response's prompt
+module connects them to a run: :func:`presample_anchors` at set-up, then the :class:`PVPO`
+component (group sampling, refreshes, teacher rows scored by the task's verifier like any
+rollout, ``anchor[B]`` for the advantage). Shapes: P prompts, B responses, T response tokens.
 
 The reference is ``ref_model`` or the initial policy (``model`` loaded again), the same
 frozen model the KL term uses. Presampling uses the training rollout settings.

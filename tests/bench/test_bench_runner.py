@@ -8,7 +8,7 @@ import pytest
 from helpers import load_script
 from typer.testing import CliRunner
 
-from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite, suite_names
+from anchor_rl.bench.runner import BenchArgs, load_suite, plan, run_suite
 from anchor_rl.bench.summary import (
     amortise,
     class_accuracy,
@@ -21,6 +21,7 @@ from anchor_rl.bench.summary import (
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError
 from anchor_rl.trainer.logging import read_evals, read_metrics
+from anchor_rl.trainer.presets import builtin_names
 
 MICRO = """
 description = "two presets, one seed"
@@ -61,7 +62,7 @@ def micro(tmp_path):
 
 
 def test_builtin_suites_load_and_every_run_validates(tmp_path) -> None:
-    assert "baselines" in suite_names()
+    assert "baselines" in builtin_names("anchor_rl.bench", "suites")
     suite = load_suite("baselines")
     assert suite.presets == ["grpo", "drgrpo", "dapo", "rloo", "reinforce_pp"]
     full = plan(suite, tmp_path)

@@ -11,7 +11,7 @@ from anchor_rl.bench import throughput
 from anchor_rl.bench.throughput import (
     default_sizes,
     matmul_flops,
-    parameter_count,
+    model_shape,
     peak_fractions,
     stage_figures,
 )
@@ -55,11 +55,11 @@ def test_stage_figures_by_hand_leave_out_the_warmup_step() -> None:
     assert stage_figures(stale)["update_tok_s"] == 200.0
 
 
-def test_default_sizes_and_parameter_count() -> None:
+def test_default_sizes_and_model_shape() -> None:
     assert default_sizes("cpu") == ("tiny", "small", "base")
     assert default_sizes("cuda") == ("base",)
     assert default_sizes("cpu", "quick") == ("tiny",)
-    assert parameter_count("tiny") == num_parameters(build_model("tiny", build_tokenizer()))
+    assert model_shape("random:tiny")[0] == num_parameters(build_model("tiny", build_tokenizer()))
 
 
 def test_one_step_on_tiny_through_the_cli(tmp_path) -> None:
@@ -126,7 +126,7 @@ def test_a_model_directory_is_measured_as_its_own_row(tmp_path) -> None:
     assert model_name(str(model_dir)) == "my_model_v2"  # "+" would split the run label
     assert model_name("random:base") == "random_base"
     assert model_shape(str(model_dir)) == (num_parameters(model), 128)
-    assert model_shape("sft:small") == (parameter_count("small"), 256)
+    assert model_shape("sft:small") == (num_parameters(build_model("small", tokenizer)), 256)
     from anchor_rl.errors import AnchorRLError
 
     for bad in ("random:huge", str(tmp_path / "missing")):  # named, never a hub lookup

@@ -11,16 +11,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.models.factory import build_model
+from anchor_rl.models.padding import left_pad, position_ids
 from anchor_rl.models.scoring import (
     GPU_PACK_MIN_FLOP,
     ScoringForward,
     entropy_from_logp,
     gpu_packs,
-    left_pad,
     pack_rows,
     packing_supported,
     pass_layout,
-    position_ids,
     shares_by_default,
     token_logprobs,
 )

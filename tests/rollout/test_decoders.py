@@ -20,7 +20,7 @@ from transformers import (
 from anchor_rl.models import packed
 from anchor_rl.models.llama import FrozenLayer, static_rope
 from anchor_rl.models.packed import PackedProduct
-from anchor_rl.models.scoring import left_pad, position_ids
+from anchor_rl.models.padding import left_pad, position_ids
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.rollout import decoders
 from anchor_rl.rollout.decoders import (

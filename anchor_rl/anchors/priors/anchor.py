@@ -10,8 +10,6 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors.base import RewardRange, check_range
 
-__all__ = ["AnchorPrior"]
-
 
 class AnchorPrior:
     """A fixed mapping ``prompt id -> mean reward`` (PVPO's ``V_sta``), measured before training.

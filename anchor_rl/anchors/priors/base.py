@@ -21,8 +21,6 @@ from torch import Tensor
 
 RewardRange = tuple[float, float]
 
-__all__ = ["Prior", "RewardRange", "check_range", "rewards_per_prompt"]
-
 
 @runtime_checkable
 class Prior(Protocol):

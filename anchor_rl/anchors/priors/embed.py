@@ -11,8 +11,6 @@ from torch import Tensor
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["prompt_embeddings"]
-
 
 @torch.no_grad()
 def prompt_embeddings(

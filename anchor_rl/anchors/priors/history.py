@@ -23,8 +23,6 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors.base import Prior, RewardRange, check_range, rewards_per_prompt
 
-__all__ = ["HistoryPrior"]
-
 
 class HistoryPrior:
     """Per-prompt Beta posterior with exponential forgetting, layered on a base prior.

@@ -30,8 +30,6 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors.base import RewardRange, check_range, rewards_per_prompt
 
-__all__ = ["KNNPrior"]
-
 
 class KNNPrior:
     """Kernel-weighted nearest neighbours over a sliding window of recent outcomes.

@@ -25,8 +25,6 @@ from torch import Tensor
 
 from anchor_rl.anchors.priors.base import Prior, RewardRange, check_range
 
-__all__ = ["concordance_auc", "ece", "evaluate_prior", "prior_metrics"]
-
 
 def concordance_auc(score: Tensor, target: Tensor, chunk: int = 2048) -> float:
     """Pairwise AUC of ``score[N]`` against ``target[N]`` (see the module docstring).
