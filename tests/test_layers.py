@@ -12,7 +12,18 @@ import anchor_rl
 ROOT = Path(anchor_rl.__file__).parent
 
 LAYERS = [
-    {"batch", "errors", "registry", "progress", "allocator", "paths", "section", "algos"},
+    {
+        "batch",
+        "errors",
+        "registry",
+        "progress",
+        "allocator",
+        "paths",
+        "section",
+        "algos",
+        "interrupt",
+        "threads",
+    },
     {"rewards"},
     {"tools"},
     {"tasks"},

@@ -12,6 +12,7 @@ anywhere on the command line, or ``ANCHOR_RL_DEBUG=1``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -19,20 +20,49 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
+from anchor_rl.interrupt import Interrupted
+
 
 class _Commands(TyperGroup):
     """The command group: an error a command raises ends on one screen (``report_error``),
-    unless ``--debug`` asks for the traceback."""
+    unless ``--debug`` asks for the traceback; every command's help is unwrapped
+    (:func:`unwrap_help`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        todo: list = [self]
+        while todo:
+            command = todo.pop()
+            command.help = unwrap_help(command.help)
+            todo.extend(getattr(command, "commands", {}).values())
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except Interrupted as exc:  # SIGTERM or Ctrl-C: what the job kept, how to continue it
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(exc.exit_code) from None
         except (typer.Exit, typer.Abort, TyperException):
             raise  # an exit code, Ctrl-C, a usage error: typer shows them
         except Exception as exc:
             if ctx.params.get("debug") or os.environ.get("ANCHOR_RL_DEBUG", "") not in ("", "0"):
                 raise
             raise typer.Exit(report_error(exc)) from None
+
+
+def unwrap_help(text: str | None) -> str | None:
+    """A docstring's help with each paragraph on one line.
+
+    Rich's help keeps a docstring's single line breaks (in the command list and below the
+    first paragraph), so at any other terminal width they fall mid-sentence; joined, rich
+    wraps each paragraph to the terminal. Paragraphs stay apart, one that starts with
+    ``\\b`` (click's mark for text to keep as written) is kept as it is, and what follows
+    ``\\f`` (click's mark for text the help leaves out) is dropped.
+    """
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).partition("\f")[0].rstrip().split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
 
 
 app = typer.Typer(

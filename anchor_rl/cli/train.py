@@ -6,6 +6,8 @@ torch and transformers are imported inside the command, so ``anchor-rl --help`` 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +16,26 @@ import typer
 from anchor_rl.errors import ConfigError
 from anchor_rl.trainer.config import describe, load_config
 from anchor_rl.trainer.presets import parse_override
+
+
+@contextmanager
+def _stop_exits() -> Iterator[None]:
+    """Ctrl-C while the run is set up (the model loaded, anchors presampled) ends with what
+    to do and exit code 130; a stop during training or SFT (``anchor_rl.interrupt``) says
+    what it kept (the command group prints it, with its exit code)."""
+    from anchor_rl.interrupt import Interrupted
+
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        typer.echo(
+            "stopped by SIGINT while the run was set up, before its first step: nothing to "
+            "keep; the same command starts it again",
+            err=True,
+        )
+        raise typer.Exit(130) from None
 
 
 def train(
@@ -61,6 +83,10 @@ def train(
     Presets: grpo, drgrpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, vapo, pvpo,
     v05. Settings apply as defaults < preset < overrides; invalid keys or values fail before
     any work.
+
+    SIGTERM or Ctrl-C finishes the step in progress, writes its checkpoint, prints the
+    command that resumes the run and exits with 143 (SIGTERM) or 130 (SIGINT); a second
+    signal stops at once, keeping the last checkpoint written.
     """
     if list_fields:
         typer.echo("| key | default | meaning |\n| --- | --- | --- |")
@@ -87,7 +113,8 @@ def train(
             typer.echo(cfg.model_dump_json(indent=2))
             return
 
-        run = run_loop(resume_run(resume, resume_overrides, from_checkpoint))
+        with _stop_exits():
+            run = run_loop(resume_run(resume, resume_overrides, from_checkpoint))
     else:
         cfg = load_config(preset, overrides)
         from anchor_rl.trainer.loop import train as run_loop
@@ -99,5 +126,6 @@ def train(
             return
 
         run_dir = out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run = run_loop(start_run(cfg, run_dir))
+        with _stop_exits():
+            run = run_loop(start_run(cfg, run_dir))
     typer.echo(f"run finished: {run.run_dir} (metrics.jsonl, tb/, checkpoints/, summary.json)")

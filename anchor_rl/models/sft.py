@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl import threads
 from anchor_rl.errors import ConfigError
+from anchor_rl.interrupt import stop_signals
+from anchor_rl.models import sft_state
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer, encode_completion, encode_prompt
@@ -330,7 +333,11 @@ def is_complete(path: Path, cfg: SFTConfig) -> bool:
 
 
 def run_sft(
-    cfg: SFTConfig, out: Path, progress: bool = True, validate: Validator | None = None
+    cfg: SFTConfig,
+    out: Path,
+    progress: bool = True,
+    validate: Validator | None = None,
+    state: Path | None = None,
 ) -> list[float]:
     """Train per ``cfg`` and save model, tokenizer, ``sft_config.json``, ``loss.json`` and
     ``loss_curve.png`` to ``out`` (with ``cfg.class_stop``, also ``class_stop.json``: every
@@ -339,6 +346,8 @@ def run_sft(
     validate: how ``cfg.class_stop`` evaluates the live model (:data:`Validator`; the
     sampling engine sits a layer above this package, so the caller passes
     ``anchor_rl.rollout.evaluate.class_shares``); required with a class stop.
+    state: where SIGTERM or Ctrl-C keeps the run's state, and a stopped run of ``cfg``
+    continues from (:mod:`anchor_rl.models.sft_state`; None: an interrupted run keeps nothing).
     """
     if cfg.class_stop is not None and validate is None:
         raise ValueError(
@@ -368,14 +377,25 @@ def run_sft(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     generator = torch.Generator().manual_seed(cfg.seed)
-    losses: list[float] = []
     checks = None
     if stop is not None and validate is not None:
         checks = _ValidationStop(stop, validate, model, tokenizer, task, validation)
-    with Progress(f"sft {cfg.task}/{cfg.size}", cfg.steps, enabled=progress) as bar:
+    start, losses = sft_state.load_state(state, cfg.key(), model, optimizer, checks)
+    label = f"sft {cfg.task}/{cfg.size}"
+    if progress:
+        print(f"{label}: {sft_state.stop_rule(cfg, start)}")
+    if progress and (chosen := threads.choice_for(model)) is not None:
+        print(f"{label}: {chosen.line(('sft', 'generate'))}")
+    with (
+        threads.phase("sft", model),
+        stop_signals(sft_state.stop_notice(state)) as interrupt,
+        Progress(label, cfg.steps, done=start, enabled=progress) as bar,
+    ):
         lengths = [len(ids) for ids, _ in examples]
         batches = length_bucketed_batches(lengths, cfg.batch_size, cfg.steps, generator)
         for step, idx in enumerate(batches):
+            if step < start:
+                continue  # the data order replayed up to where the interrupted run stopped
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
             loss = sft_loss(model, collate([examples[i] for i in idx], tokenizer.pad_token_id))
@@ -388,11 +408,14 @@ def run_sft(
                 checks is not None and checks.due(step + 1, cfg.steps) and checks.evaluate(step + 1)
             )
             info = f"loss {losses[-1]:.4f}"
-            if checks is not None and checks.evals:
-                info += f" | {checks.describe()}"
+            if checks is not None:
+                info += f" | {checks.describe() if checks.evals else 'stops when classes settle'}"
             bar.update(advance=1, info=info)
             if done:
                 break
+            if interrupt.requested and step + 1 < cfg.steps:
+                kept = sft_state.keep(state, cfg, step + 1, model, optimizer, losses, checks)
+                raise interrupt.stop(f"{label} {kept}")
     if checks is not None:
         checks.restore()
         kept = checks.summary()
@@ -403,6 +426,8 @@ def run_sft(
                 100 * checks.stop.min_share, kept["kept_step"],
                 ", ".join(f"{c} {kept['kept'][c]:.2f}" for c in CLASSES),
             )  # fmt: skip
+        if progress:
+            print(f"{label}: {sft_state.stopped_by(cfg, len(losses), kept)}")
     model.eval()
     save_policy(model, tokenizer, out)
     if checks is not None:
@@ -576,12 +601,13 @@ def train_sft(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        run_sft(cfg, tmp, progress=progress, validate=validate)
+        run_sft(cfg, tmp, progress=progress, validate=validate, state=sft_state.partial_dir(path))
         if is_complete(path, cfg):  # a concurrent run of the same config finished first
             return path
         if path.exists():
             path.rmdir()
         tmp.rename(path)
+        sft_state.drop_state(sft_state.partial_dir(path))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -3,7 +3,8 @@ every method component's state.
 
 Layout of ``RUN_DIR/checkpoints/step_000042/``::
 
-    policy/         save_pretrained (safetensors) + tokenizer
+    policy/         save_pretrained (safetensors) + tokenizer; a LoRA run's adapter only, as a
+                    PEFT adapter directory (anchor_rl.models.lora.save_adapter)
     optimizer.pt    optimizer.state_dict()
     scheduler.pt    scheduler.state_dict()
     rng.pt          python, numpy and torch global RNG states and the run's generator's
@@ -13,7 +14,9 @@ Layout of ``RUN_DIR/checkpoints/step_000042/``::
                     (``PrefetchingEngine.state_dict``)
 
 A checkpoint is written to a temporary directory and renamed into place, so a run killed
-while saving leaves the previous checkpoint intact. Component states hold plain data and
+while saving leaves the previous checkpoint intact; one stopped by a signal while saving
+(:mod:`anchor_rl.interrupt`) removes its temporary directory too, and the rename and the
+pruning of old checkpoints finish before the stop. Component states hold plain data and
 tensors only, and are read back with ``weights_only=True``.
 """
 
@@ -32,7 +35,9 @@ import numpy as np
 import torch
 
 from anchor_rl.errors import AnchorRLError
+from anchor_rl.interrupt import shielded
 from anchor_rl.models.loading import quiet_transformers, save_policy
+from anchor_rl.models.lora import is_lora, save_adapter
 from anchor_rl.trainer.component import Component
 from anchor_rl.trainer.state import TrainState
 
@@ -81,7 +86,8 @@ def save_checkpoint(
     try:
         tmp.mkdir(parents=True)
         with quiet_transformers():
-            save_policy(model, tokenizer, tmp / "policy")
+            save = save_adapter if is_lora(model) else save_policy  # LoRA: the adapter only
+            save(model, tokenizer, tmp / "policy")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_states(generator), tmp / "rng.pt")
@@ -98,10 +104,14 @@ def save_checkpoint(
             f"cannot write the checkpoint of step {state.step} in {root}: {exc} (disk full?); "
             f"the partial files were removed and {kept}; free space, then --resume {run_dir}"
         ) from exc
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+    except BaseException:  # a stop (second Ctrl-C, SIGTERM) while writing: no partial files
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with shielded():  # published whole, or not at all
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
     return final
 
 

@@ -14,6 +14,7 @@ One step::
                  component.on_advantages the critic's returns, whitening and update
     6 update     update.ppo_update       epochs x mini-batches x micro-batches, AdamW
     7 metrics, held-out evaluation every eval.every steps, checkpoint every checkpoint.every
+      and after the step a SIGTERM or SIGINT came in (anchor_rl.interrupt)
       (before a step: component.before_step, outside the step's clock, e.g. V0.5's probe)
 
 The loop names no method: what a method adds lives in its component
@@ -23,12 +24,15 @@ penalty in the reward (REINFORCE++, RLOO) needs the reference log-probs there.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from anchor_rl.algos.losses import kl
 from anchor_rl.batch import minibatches
 from anchor_rl.cluster.asynchronous import truncated_is_weights
 from anchor_rl.errors import NonFiniteError
+from anchor_rl.interrupt import Interrupted, signal_name, stop_signals
+from anchor_rl.models.lora import sampling_state
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import collect, prefetch_next
@@ -117,7 +121,7 @@ def train_step(run: Run) -> dict[str, float]:
                 if single:
                     logp, entropy = seen["logp"], seen["entropy"]
         with timer("sync"):  # the next rollouts' weights (for Ray workers, via the object store)
-            run.engine.sync_weights(run.policy.state_dict())
+            run.engine.sync_weights(sampling_state(run.policy))  # LoRA: merged, lazily
         assert logp is not None and entropy is not None
         metrics["update/single_pass"] = float(single)
         metrics |= advantage_metrics(adv, mask)
@@ -151,15 +155,33 @@ def train(run: Run) -> Run:
     """Run the loop from ``run.state.step`` to ``cfg.steps`` (a new run, or a resumed one:
     see ``run.start_run`` and ``run.resume_run``).
 
-    Writes metrics, TensorBoard events, checkpoints and ``summary.json`` to the run directory.
+    Writes metrics, TensorBoard events, checkpoints, ``summary.json`` and ``run.log`` (one
+    line per start, resume and stop) to the run directory.
+
+    SIGTERM or SIGINT (:mod:`anchor_rl.interrupt`): the step in progress finishes (its
+    evaluation too, when one is due), its checkpoint is written and
+    :class:`~anchor_rl.interrupt.Interrupted` is raised with the checkpoint and the resume
+    command; a second signal abandons the step (or the checkpoint being written, whose
+    partial files are removed) at once and names the last checkpoint on disk. Either way
+    ``--resume`` continues exactly as if the run had not stopped.
     """
     cfg, state = run.cfg, run.state
     resumed_at = state.step or None  # a resumed run always restarts after a saved step >= 1
+    if resumed_at:
+        _event(run, f"resuming {run.run_dir} from {_name(state.step)}: step {state.step + 1} "
+               f"of {cfg.steps} is next")  # fmt: skip
+    else:
+        _event(run, f"starting {run.run_dir}: {cfg.steps} steps", echo=False)
     sinks = open_sinks(cfg.log, run.run_dir, cfg.model_dump(mode="json"), resumed_at)
     evals = JsonlSink(run.run_dir, resumed_at, EVALS_FILE)  # per-prompt results
     metrics: dict[str, float] = {}
+    saved = state.step if resumed_at else None  # the step whose checkpoint is on disk
+    notice = "finishing the step in progress, then checkpointing; a second signal stops at once"
     try:
-        with ProgressBar(cfg.steps, state.step, cfg.log.progress) as bar:
+        with (
+            stop_signals(notice) as stop,
+            ProgressBar(cfg.steps, state.step, cfg.log.progress) as bar,
+        ):
             if state.step == 0 and cfg.eval.every:
                 started = time.perf_counter()
                 scores, details = evaluate_policy(run, 0)
@@ -167,7 +189,11 @@ def train(run: Run) -> Run:
                 metrics = {**scores, **counters(run)}
                 state.elapsed += time.perf_counter() - started
                 _log(sinks, bar, 0, metrics | {"time/elapsed": state.elapsed})
-            while state.step < cfg.steps and not _out_of_time(cfg, state.elapsed):
+            while (
+                state.step < cfg.steps
+                and not _out_of_time(cfg, state.elapsed)
+                and not stop.requested
+            ):
                 before: dict[str, float] = {}  # outside the step's clock (V0.5's probe)
                 for component in run.components.values():
                     before |= component.before_step(state.step + 1)
@@ -189,12 +215,64 @@ def train(run: Run) -> Run:
                 _log(sinks, bar, state.step, metrics | {"time/elapsed": state.elapsed})
                 if (cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0) or last:
                     run.save()
+                    saved = state.step
+            if stop.requested:  # the step in progress finished; keep it
+                if state.step and saved != state.step:
+                    run.save()
+                    saved = state.step
+                raise stop.stop(_stopped(run, stop.signum, saved or 0))
+    except Interrupted as exc:
+        if not exc.message:  # a second signal: the step or the checkpoint was abandoned
+            exc = Interrupted(exc.signum, _stopped(run, exc.signum, None))
+        _event(run, exc.message.splitlines()[0], echo=False)
+        raise exc from None
     finally:
         for sink in [*sinks, evals]:
             sink.close()
         run.close()
     write_summary(run, metrics)
+    _event(run, f"finished at step {state.step}", echo=False)
     return run
+
+
+RUN_LOG = "run.log"
+"""``RUN_DIR/run.log``: one time-stamped line per start, resume, stop and end of the run."""
+
+
+def _event(run: Run, text: str, echo: bool = True) -> None:
+    """Append ``text`` to the run's ``run.log``; with ``echo``, print it on stderr too."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with (run.run_dir / RUN_LOG).open("a") as log:
+        log.write(f"{stamp} {text}\n")
+    if echo:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _stopped(run: Run, signum: int | None, saved: int | None) -> str:
+    """What a stopped run kept and the command that continues it (first line: what happened).
+
+    ``saved``: the step whose checkpoint the stop wrote or found; None when the step or the
+    checkpoint in progress was abandoned (a second signal): the newest checkpoint on disk."""
+    found = [p.name for p in list_checkpoints(run.run_dir)]
+    how = signal_name(signum) if signum else "a signal"
+    if saved is None:
+        head = (f"stopped by {how}: the step or checkpoint in progress was abandoned "
+                "(no partial files are left)")  # fmt: skip
+        kept = found[-1] if found else None
+    else:
+        head = f"stopped by {how} after step {run.state.step} of {run.cfg.steps}"
+        kept = _name(saved) if saved else None
+    command = f"anchor-rl train --resume {run.run_dir}"
+    if kept is None:
+        return f"{head}\nkept: no checkpoint; {command} starts the run again from step 0"
+    if found and found[-1] != kept:  # a newer checkpoint of an earlier branch (--from)
+        command += f" --from {kept}"
+    where = run.run_dir / "checkpoints" / kept
+    return f"{head}\nkept: checkpoint {kept} ({where})\nresume with: {command}"
 
 
 def _diverged(run: Run, cause: str) -> str:

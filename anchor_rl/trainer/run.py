@@ -25,11 +25,13 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl import threads
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.cluster.asynchronous import PrefetchingEngine
 from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
+from anchor_rl.models.lora import apply_lora, load_adapter, trainable_parameters
 from anchor_rl.rollout.engine import Engine, close_engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.spec import load_spec
@@ -50,7 +52,7 @@ from anchor_rl.trainer.v05 import V05
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
-RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.", "cluster.")
+RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.", "cluster.", "threads")
 PREFETCH_STATE = "async_prefetch"
 """The checkpoint file (``NAME.pt``) of an asynchronous run's prefetched rollouts."""
 """Fields a resumed run may change: how long it runs, what it records and where its work
@@ -78,6 +80,8 @@ class Run:
     """The method components (:func:`build_components`), in the order the loop calls them."""
     learners: LearnerGroup | None = None
     """The data-parallel learner ranks (``cluster.learners > 1``), started on first use."""
+    threads: threads.ThreadChoice | None = None
+    """The torch threads of each phase (:func:`anchor_rl.threads.choose_threads`)."""
 
     def learner_group(self) -> LearnerGroup:
         """The learner ranks 1..N-1 beside this process (rank 0), started on first use, after
@@ -122,7 +126,7 @@ class Run:
 
 
 def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
-    """A new run in ``run_dir`` (created).
+    """A new run in ``run_dir`` (created once the model has loaded).
 
     A directory that holds a run is refused with what to do: ``--resume`` when it has a
     checkpoint, another ``--out`` when its config differs. One whose run stopped before its
@@ -134,13 +138,15 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
         _check_reusable(cfg, run_dir)
     check_device(cfg.device)
     task = load_task(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    threads.configure(cfg.threads)  # before load_spec: an sft: model may train here
     _seed_everything(cfg.seed)
     policy, tokenizer = load_spec(
         cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
     )
+    policy = apply_lora(policy, cfg.lora, cfg.seed)  # lora.rank > 0: adapters on the base
     if cfg.disable_dropout:
         disable_dropout(policy)
+    run_dir.mkdir(parents=True, exist_ok=True)  # not before: a model that fails leaves no dir
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return _assemble(cfg, run_dir, task, policy, tokenizer, TrainState())
 
@@ -217,7 +223,13 @@ def resume_run(
     task = load_task(cfg)
 
     with quiet_transformers(), checkpoint.readable(path / "policy"):
-        policy, tokenizer = load_policy(path / "policy", device=cfg.device)
+        if cfg.lora.enabled:  # the base model again, then the checkpoint's adapter
+            policy, tokenizer = load_spec(
+                cfg.model, cfg.task, cfg.task_args, cfg.seed, cfg.device, cfg.log.progress
+            )
+            policy = load_adapter(policy, path / "policy")
+        else:
+            policy, tokenizer = load_policy(path / "policy", device=cfg.device)
     if cfg.disable_dropout:
         disable_dropout(policy)
     run = _assemble(cfg, run_dir, task, policy, tokenizer, state, resuming=True)
@@ -253,7 +265,11 @@ def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) ->
     ``overrides`` (dotted keys; only the fields in ``RESUMABLE_KEYS`` may change), validated."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
-        raise AnchorRLError(f"{run_dir} holds no run ({CONFIG_FILE} missing); start one there")
+        why = f"no {CONFIG_FILE} in it" if run_dir.is_dir() else "no such directory"
+        raise AnchorRLError(
+            f"{run_dir} holds no run to resume ({why}); start one there with: "
+            f"anchor-rl train --preset NAME --out {run_dir}"
+        )
     table = _stored_config(run_dir)
     overrides = overrides or {}
     for key in overrides:
@@ -373,6 +389,9 @@ def counters(run: Run) -> dict[str, float]:
         total += sum(v for k, v in extra.items() if k.startswith("rollouts/"))
         out |= extra
     out["rollouts/total"] = total
+    if run.threads is not None:  # not a counter: which threads the figures were measured with
+        out["threads/generate"] = float(run.threads.generate)
+        out["threads/update"] = float(run.threads.update)
     return out
 
 
@@ -428,7 +447,8 @@ def _assemble(
     resuming: bool = False,
 ) -> Run:
     keep_freed_memory()  # anchor_rl.allocator: no page faults for each step's tensors
-    optimizer, scheduler = make_optimizer(cfg, policy.parameters())
+    choice = _threads(cfg, policy)
+    optimizer, scheduler = make_optimizer(cfg, trainable_parameters(policy))
     setup = Setup(
         cfg=cfg,
         run_dir=run_dir,
@@ -461,11 +481,26 @@ def _assemble(
         generator=setup.generator,
         state=state,
         components=components,
+        threads=choice,
     )
     critic = components.get("critic")
     if isinstance(critic, PPOCritic) and cfg.cluster.learners > 1:
         critic.learners = run.learner_group  # the critic's update runs on the ranks too
     return run
+
+
+def _threads(cfg: TrainConfig, policy: PreTrainedModel) -> threads.ThreadChoice:
+    """The run's torch threads per phase (``cfg.threads``, ``$OMP_NUM_THREADS`` or ``auto``
+    by the policy's size): this process runs at the update's count, the engine switches to
+    the generation's while it samples. Printed as one line unless ``log.progress`` is off."""
+    threads.configure(cfg.threads)
+    choice = threads.choose_threads(threads.parameter_count(policy), cfg.threads)
+    threads.apply(choice, "update")
+    if cfg.log.progress:
+        from rich.console import Console
+
+        Console().print(choice.line(), highlight=False)
+    return choice
 
 
 def _seed_everything(seed: int) -> None:
