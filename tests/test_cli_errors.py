@@ -90,6 +90,9 @@ CASES = {
         2, "model 'does/not/exist' is neither a model directory",
     ),
     "unknown task": Case(("train", "task=gsm9k", "steps=1"), 2, "unknown task 'gsm9k'"),
+    "a section's key without its section": Case(
+        ("train", "lr=1e-4"), 2, "unknown config key 'lr' (did you mean optim.lr, critic.lr?)"
+    ),
     "task argument of the wrong type": Case(
         ("train", "task_args.n_train=many", "steps=1"), 2, "task_args.n_train='many'"
     ),
@@ -283,3 +286,71 @@ def test_a_finished_run_says_how_to_resume_and_a_corrupt_checkpoint_offers_the_p
     resumed = _run_here(("train", "--resume", "run", "steps=3"), tmp_path, {})
     assert resumed.returncode == 2 and "Traceback" not in resumed.stderr
     assert "step_000002" in resumed.stderr and "--from step_000001" in resumed.stderr
+
+
+def test_an_unknown_key_suggests_the_full_paths_of_its_name(tmp_path) -> None:
+    from anchor_rl.errors import ConfigError
+    from anchor_rl.trainer.config import field_paths, load_config
+    from anchor_rl.trainer.presets import suggest_keys
+
+    known = list(field_paths())
+    assert suggest_keys("n", known) == ["rollout.n"]
+    assert suggest_keys("temprature", known)[:2] == ["rollout.temperature", "eval.temperature"]
+    assert suggest_keys("optm.lr", known)[0] == "optim.lr"
+    assert suggest_keys("kl.coeff", known)[0] == "kl.coef"
+    assert suggest_keys("zzz", known) == []
+    (tmp_path / "mine.toml").write_text("lr = 1e-4\n")  # a preset file: the same hint
+    with pytest.raises(
+        ConfigError, match=r"lr: unknown key \(did you mean optim.lr, critic.lr\?\)"
+    ):
+        load_config(str(tmp_path / "mine.toml"))
+
+
+@pytest.mark.parametrize("out", [(), ("--out", "run")])
+def test_a_set_up_that_fails_leaves_no_run_directory(tmp_path, out) -> None:
+    """A model that cannot load fails before anything is written: no empty ``runs/...``."""
+    done = _run_here(("train", "model=does/not/exist", "steps=1", *out), tmp_path, {})
+    assert done.returncode == 2 and "neither a model directory" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _commands() -> dict[tuple[str, ...], str]:
+    """The docstring (or ``help=``) of ``anchor-rl`` and of every command and group under it,
+    by the words that call it."""
+    import inspect
+
+    from anchor_rl.cli import app
+
+    def walk(group, path):
+        for info in group.registered_commands:
+            yield (*path, info.name), info.help or inspect.getdoc(info.callback)
+        for info in group.registered_groups:
+            sub = info.typer_instance
+            yield (*path, info.name), info.help or sub.info.help
+            yield from walk(sub, (*path, info.name))
+
+    return {(): inspect.getdoc(app.registered_callback.callback), **dict(walk(app, ()))}
+
+
+COMMANDS = _commands()
+
+
+@pytest.mark.parametrize("path", list(COMMANDS), ids=lambda p: " ".join(p) or "anchor-rl")
+def test_no_help_breaks_mid_sentence(tmp_path, path) -> None:
+    """On a terminal wide enough for any paragraph, each paragraph of a command's help (and
+    the first of each sub-command's, in the command list) is on one line: the docstring's own
+    line breaks, which fall mid-sentence at any other width, are not kept."""
+    from typer.testing import CliRunner
+
+    from anchor_rl.cli import app
+
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    wanted = [p for p in COMMANDS[path].split("\n\n")]
+    wanted += [doc.split("\n\n")[0] for sub, doc in COMMANDS.items() if sub[:-1] == path and sub]
+    for paragraph in wanted:
+        text = " ".join(paragraph.split())
+        assert any(text in line for line in lines), f"{text!r} is broken across lines:\n" + (
+            result.output
+        )

@@ -1,6 +1,6 @@
 """docs/training.md, "Extending": the example plug-in file runs, and each command after it
 trains with what it registers (in a subprocess, as a user would: the registrations stay
-out of this test process)."""
+out of this test process). docs/results.md's table of contents lists its sections."""
 
 from __future__ import annotations
 
@@ -109,3 +109,17 @@ print(json.dumps({{"sampled": run.engine.sampled, "rollouts": run.state.rollouts
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["sampled"] == counts["rollouts"] == 2 * 2 * 2
+
+
+def test_results_md_contents_list_every_section_and_link_to_it() -> None:
+    """Every ``##`` heading of docs/results.md (outside code blocks) is in the contents at its
+    top, in order, linked by GitHub's anchor for it."""
+    text = (DOC.parent / "results.md").read_text()
+    contents, body = text.split("\n**Contents.**", 1)[1].split("\nMeasured numbers", 1)
+    headings = [
+        line[3:] for line in re.sub(r"```.*?```", "", body, flags=re.DOTALL).splitlines()
+        if line.startswith("## ")
+    ]  # fmt: skip
+    anchors = [re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings]
+    links = re.findall(r"^- \[(.*)\]\(#(.*)\)$", contents, re.MULTILINE)
+    assert links == list(zip(headings, anchors, strict=True))

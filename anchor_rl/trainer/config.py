@@ -12,7 +12,6 @@ separate sections, and a preset only sets the knobs its paper sets.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -22,9 +21,10 @@ from anchor_rl.errors import ConfigError
 from anchor_rl.methods.critic_config import CriticConfig
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.methods.v05_config import V05Config
+from anchor_rl.models.lora import LoRAConfig
 from anchor_rl.section import Section
 from anchor_rl.trainer.plugins import check_registered, load_plugin
-from anchor_rl.trainer.presets import parse_override, read_preset
+from anchor_rl.trainer.presets import parse_override, read_preset, suggest_keys
 from anchor_rl.trainer.rules import combination_errors
 
 Aggregation = Literal[
@@ -369,6 +369,10 @@ class TrainConfig(Section):
     None: run all `steps`."""
     device: str = "cpu"
     """Torch device of the policy and the reference."""
+    threads: Literal["auto"] | int = "auto"
+    """Torch intra-op threads on the CPU: `auto` picks them per phase from the model's size
+    and the cores (one for models below 30M parameters; anchor_rl.threads), a number N sets
+    every phase to N. Wins over `$OMP_NUM_THREADS`, which wins over `auto`."""
     disable_dropout: bool = True
     """Switch every dropout of the policy, the reference and the critic off for the whole run
     (as TRL and OpenRLHF do): the recomputed old log-probs then equal the update's, and the
@@ -382,6 +386,7 @@ class TrainConfig(Section):
     kl: KLConfig = KLConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
+    lora: LoRAConfig = LoRAConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
@@ -408,6 +413,13 @@ class TrainConfig(Section):
         for plugin in data.get("plugins") or []:
             load_plugin(str(plugin))
         return data
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        from anchor_rl.threads import parse_setting
+
+        return parse_setting(value)
 
     @field_validator("device")
     @classmethod
@@ -500,7 +512,7 @@ def apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any]) -> dict
         if key not in known and not key.startswith(
             ("task_args.", "component_args.", "rollout.engine_args.")
         ):
-            close = difflib.get_close_matches(key, known, n=3)
+            close = suggest_keys(key, field_paths())  # in the order the sections are declared
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}")
         node = out
@@ -526,7 +538,11 @@ def build_config(table: Mapping[str, Any]) -> TrainConfig:
             elif err["type"] == "value_error":
                 lines.append(f"{where}: {msg}")  # the message names the value
             elif err["type"] == "extra_forbidden":
-                lines.append(f"{where}: unknown key")
+                close = suggest_keys(where, field_paths())
+                lines.append(
+                    f"{where}: unknown key"
+                    + (f" (did you mean {', '.join(close)}?)" if close else "")
+                )
             else:
                 lines.append(f"{where}: {msg} (got {err['input']!r})")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

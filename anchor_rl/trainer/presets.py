@@ -3,8 +3,9 @@ override parsing."""
 
 from __future__ import annotations
 
+import difflib
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,22 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key, tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return key, raw
+
+
+def suggest_keys(key: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """Up to ``n`` dotted keys of ``known`` that an unknown ``key`` may have meant: first every
+    key whose last part is ``key``'s last part (``lr`` -> ``optim.lr``, ``critic.lr``), then
+    keys whose last part is spelt close to ``key``'s (``temprature`` ->
+    ``rollout.temperature``), then keys spelt close to it in full (``optm.lr`` ->
+    ``optim.lr``); each group in the order of ``known``."""
+    known = list(known)
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for path in known:
+        by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    found = [
+        *by_leaf.get(leaf, []),
+        *(p for close in difflib.get_close_matches(leaf, by_leaf, n=n) for p in by_leaf[close]),
+        *difflib.get_close_matches(key, known, n=n),
+    ]
+    return list(dict.fromkeys(p for p in found if p != key))[:n]
