@@ -36,7 +36,7 @@ import json
 import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,10 @@ def run_throughput_suite(
         echo(f"[{i}/{len(specs)}] {size}, {layout.name}, seed {spec.seed} -> {spec.run_dir}")
         parameters, hidden = model_shape(models[size])
         with _threads(layout.threads):
+            import torch  # the layout's threads in every phase, not threads=auto's choice
+
+            update = {"threads": torch.get_num_threads()}
+            spec = replace(spec, config=spec.config.model_copy(update=update))
             run_spec(spec)
             figures = stage_figures(read_metrics(spec.run_dir))
             batch = spec.config.rollout.prompts_per_step * spec.config.rollout.n

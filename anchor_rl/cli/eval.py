@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from anchor_rl.cli.options import default_threads, parse_task_kwargs
+from anchor_rl.cli.options import ThreadsOption, parse_task_kwargs, use_threads
 
 
 def eval_command(
@@ -59,6 +59,13 @@ def eval_command(
             "tokenizer (anchor-rl serve does)."
         ),
     ] = None,
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            help="A LoRA adapter directory (PEFT format: a LoRA run's checkpoint policy/) "
+            "applied to --model, its base model; merged into its weights."
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -66,6 +73,7 @@ def eval_command(
             "directory, ./eval-<model>-<task>-<split>-k<k>.json otherwise."
         ),
     ] = None,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Evaluate a model on a task; prints the metrics and saves them (with per-prompt counts) as JSON."""
     import torch
@@ -78,6 +86,7 @@ def eval_command(
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
+    from anchor_rl.threads import choice_for
 
     if out is not None and out.is_dir():  # found now, not after the evaluation
         example = out / f"eval-{task}-{split}-k{k}.json"
@@ -86,7 +95,7 @@ def eval_command(
         )
     check_device(device)
     transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(default_threads())
+    use_threads(threads)
     kwargs = parse_task_kwargs(task_kwargs)
     try:
         task_obj = get_task(task, **kwargs)
@@ -94,7 +103,10 @@ def eval_command(
         raise
     except (ValueError, TypeError) as exc:  # the task's arguments
         raise typer.BadParameter(str(exc), param_hint="--task") from exc
-    engine, tok, where = _engine(model, task, kwargs, seed, device, tokenizer)
+    engine, tok, where = _engine(model, task, kwargs, seed, device, tokenizer, adapter)
+    local = getattr(engine, "model", None)  # the hf engine's model; a served one is a name
+    if isinstance(local, torch.nn.Module) and (chosen := choice_for(local)) is not None:
+        typer.echo(chosen.line(("generate",)))
     if max_new_tokens is None:
         try:
             max_new_tokens = trace_budget(tok, task_obj, task_obj.records(split)[:limit])
@@ -142,6 +154,7 @@ def _engine(
     seed: int,
     device: str,
     tokenizer: Path | None,
+    adapter: Path | None = None,
 ) -> tuple[Any, Any, Path | None]:
     """The engine a ``--model`` names, its tokenizer, and the model directory (None unless
     ``model`` is one): ``http:URL`` samples through the ``http`` engine, anything else loads
@@ -155,6 +168,12 @@ def _engine(
     if model.startswith("http:"):
         from anchor_rl.rollout.http import connect, load_tokenizer
 
+        if adapter is not None:
+            raise typer.BadParameter(
+                "--adapter applies to a model loaded here; load the adapter into the server "
+                "instead (anchor-rl serve --adapter)",
+                param_hint="--adapter",
+            )
         try:
             tok = load_tokenizer(tokenizer) if tokenizer is not None else None
             engine = connect(model, tok)
@@ -166,4 +185,12 @@ def _engine(
     except (ValueError, AnchorRLError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
     where = Path(model) if (Path(model) / "config.json").is_file() else None
+    if adapter is not None:
+        from anchor_rl.models.lora import load_adapter, merge_adapter
+
+        try:
+            policy = merge_adapter(load_adapter(policy, adapter))
+        except AnchorRLError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--adapter") from exc
+        where = adapter
     return make_engine("hf", policy, tok), tok, where

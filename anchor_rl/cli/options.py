@@ -3,19 +3,41 @@
 from __future__ import annotations
 
 import json
-import os
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
+from anchor_rl.threads import (
+    ONE_THREAD_BELOW,
+    Setting,
+    choose_threads,
+    configure,
+    parse_setting,
+)
+
+THREADS_HELP = (
+    f"Torch threads: auto (one thread for models below {ONE_THREAD_BELOW['generate'] // 10**6}M "
+    "parameters, all cores above) or a number; wins over $OMP_NUM_THREADS."
+)
+ThreadsOption = Annotated[str, typer.Option("--threads", help=THREADS_HELP)]
+"""The ``--threads auto|N`` option of the commands that run a model in this process."""
+
+
+def use_threads(text: str) -> Setting:
+    """Let this process pick its torch threads per phase (:mod:`anchor_rl.threads`) under
+    ``--threads``; ``typer.BadParameter`` for anything but ``auto`` or a count >= 1."""
+    try:
+        setting = parse_setting(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--threads") from None
+    configure(setting)
+    return setting
+
 
 def default_threads() -> int:
-    """Torch threads for a command: ``$OMP_NUM_THREADS`` if set, else the cores this process
-    may run on. (On a machine shared with other jobs, 1 thread is often much faster for the
-    tiny models: idle OpenMP workers contend for the busy cores.)"""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Torch threads for a command whose model's size is not known yet: ``$OMP_NUM_THREADS``
+    if set, else the cores this process may use (:func:`anchor_rl.threads.choose_threads`)."""
+    return choose_threads(None).update
 
 
 def parse_task_kwargs(text: str | None, hint: str = "--task-kwargs") -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from anchor_rl.cli.options import default_threads, parse_task_kwargs
+from anchor_rl.cli.options import ThreadsOption, parse_task_kwargs, use_threads
 
 
 def parse_class_stop(text: str | None) -> dict[str, Any] | bool | None:
@@ -75,13 +75,13 @@ def sft(
             "training record, no curriculum, the teacher's step count.",
         ),
     ] = False,
+    threads: ThreadsOption = "auto",
 ) -> None:
     """Train a tiny model on the task's reference traces (loss on response tokens only).
 
     Runs are cached by a hash of their configuration; a second call prints the path at once.
     The directory holds the model, its tokenizer, sft_config.json, loss.json and loss_curve.png.
     """
-    import torch
     import transformers
 
     from anchor_rl.models.factory import SIZES
@@ -103,7 +103,7 @@ def sft(
     data = None if data_kwargs is None else parse_task_kwargs(data_kwargs, "--data-kwargs")
     stop = parse_class_stop(class_stop)
     transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(default_threads())
+    use_threads(threads)
     try:
         cfg = default_config(
             task, size, role, steps=steps, lr=lr, batch_size=batch_size, seed=seed,

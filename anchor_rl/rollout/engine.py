@@ -24,7 +24,9 @@ import torch
 from pydantic import PositiveInt
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from anchor_rl import threads
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.models.lora import merged_copy
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.registry import Registry
 from anchor_rl.rollout.agent import Response, run_agent
@@ -193,7 +195,7 @@ def sampling_model(model: PreTrainedModel, precision: Precision) -> PreTrainedMo
     floating = [p for p in model.parameters() if p.is_floating_point()]
     if precision == "model" or all(p.dtype == torch.bfloat16 for p in floating):
         return model
-    twin = cast_parameters(copy_module(model), torch.bfloat16)
+    twin = cast_parameters(merged_copy(model, torch.bfloat16), torch.bfloat16)  # LoRA: merged
     return twin.requires_grad_(False).eval()
 
 
@@ -270,7 +272,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), threads.phase("generate", self.model):
                 for start in range(0, len(rows), self.max_batch):
                     end = start + self.max_batch
                     responses += run_agent(
@@ -283,7 +285,14 @@ class HFEngine:
         return pack(responses, rows, group, self.tokenizer)
 
     def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``state`` into the model, unless it is the model's own tensors already."""
+        """Copy ``state`` into the model, unless it is the model's own tensors already (a LoRA
+        policy's merged weights, ``models.lora.MergedState``, of this very model included:
+        its adapters apply as it samples)."""
+        if getattr(state, "source", None) is self.model:
+            return
+        if callable(getattr(state, "copy_into", None)):  # merged weights: one at a time
+            state.copy_into(self.model)
+            return
         own = self.model.state_dict()
         if all(k in own and own[k].data_ptr() == v.data_ptr() for k, v in state.items()):
             return
