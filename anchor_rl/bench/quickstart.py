@@ -4,7 +4,9 @@
     2 presample, filter M reference rollouts per training prompt into the anchor store
                         (cached), group sampling with the oracle teacher
     3 PVPO training     the ``pvpo`` preset, held-out evaluation before, during and after
-    4 report            ``OUT/report.md`` and ``OUT/report.png``
+    4 GRPO comparison   the ``grpo`` preset at the same settings in ``OUT/grpo``
+    5 report            ``OUT/quickstart.json`` (raw results, what ``anchor-rl report OUT``
+                        reads), ``OUT/report.md`` and ``OUT/report.png``
 
 The run itself is an ordinary run directory (``anchor-rl train --resume OUT`` continues it).
 Settings: the ``pvpo`` preset, then :data:`SETTINGS` (sized to finish within 10 minutes on
@@ -20,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.summary import format_bootstrap
+from anchor_rl import threads
+from anchor_rl.bench import quickstart_results as results
 from anchor_rl.trainer.config import TrainConfig, load_config
 
 SETTINGS: tuple[str, ...] = (
@@ -72,7 +75,8 @@ def grpo_config(cfg: TrainConfig) -> TrainConfig:
     same = {
         "task": cfg.task, "task_args": cfg.task_args, "model": cfg.model,
         "train_prompts": cfg.train_prompts, "steps": cfg.steps, "time_limit": cfg.time_limit,
-        "seed": cfg.seed, "device": cfg.device, "rollout": cfg.rollout.model_dump(),
+        "seed": cfg.seed, "device": cfg.device, "threads": cfg.threads,
+        "rollout": cfg.rollout.model_dump(),
         "eval": cfg.eval.model_dump(), "optim": cfg.optim.model_dump(),
         "checkpoint": cfg.checkpoint.model_dump(), "log": cfg.log.model_dump(),
         "kl": {"coef": cfg.kl.coef},
@@ -111,10 +115,13 @@ def expected_time(cfg: TrainConfig, compare: bool) -> str:
     )
 
 
-def run_quickstart(cfg: TrainConfig, out: Path, compare: bool = True) -> dict[str, Any]:
+def run_quickstart(
+    cfg: TrainConfig, out: Path, compare: bool = True, command: str = "anchor-rl quickstart"
+) -> dict[str, Any]:
     """SFT reference, presampling and group sampling, PVPO training, (with ``compare``) GRPO
-    at the same settings in ``OUT/grpo``, report; returns the report's facts (also in
-    ``OUT/report.md``) with the report paths."""
+    at the same settings in ``OUT/grpo``, then the raw results (``OUT/quickstart.json``,
+    :mod:`anchor_rl.bench.quickstart_results`; ``command`` is recorded there) and the report;
+    returns the report's facts (also in ``OUT/report.md``), ``raw`` and the files' paths."""
     from rich.console import Console
 
     from anchor_rl.rollout.spec import sft_model_dir
@@ -128,9 +135,11 @@ def run_quickstart(cfg: TrainConfig, out: Path, compare: bool = True) -> dict[st
     out = Path(out)
     phases = 5 if compare else 4
     started = time.perf_counter()
+    threads.configure(cfg.threads)  # the SFT reference's steps too
+    sft_dir = None
     if cfg.model.startswith("sft:"):
         console.rule(f"[bold]1/{phases} SFT reference")
-        sft_model_dir(cfg.model, cfg.task, cfg.task_args, progress=cfg.log.progress)
+        sft_dir = sft_model_dir(cfg.model, cfg.task, cfg.task_args, progress=cfg.log.progress)
     sft_s = time.perf_counter() - started
     console.rule(f"[bold]2/{phases} presample the reference, group sampling")
     run = start_run(cfg, out)
@@ -142,38 +151,12 @@ def run_quickstart(cfg: TrainConfig, out: Path, compare: bool = True) -> dict[st
         train(start_run(gcfg, out / GRPO_DIR))
     total_s = time.perf_counter() - started
     console.rule(f"[bold]{phases}/{phases} report")
+    seconds = {"sft": sft_s, "setup": setup_s, "total": total_s}
+    raw = results.collect(out, command, seconds, sft_dir)
+    raw_path = results.write_raw(out, raw)
     facts = report_facts(out, cfg, sft_s, setup_s, total_s)
-    if gcfg is not None:
-        facts["comparison"] = comparison_facts(out, out / GRPO_DIR)
-    md, png = write_report(out, facts)
-    return {**facts, "report_md": md, "report_png": png}
-
-
-def comparison_facts(pvpo_dir: Path, grpo_dir: Path) -> dict[str, Any]:
-    """PVPO beside GRPO on the same held-out prompts: each run's accuracy before and after,
-    rollouts, and the paired bootstrap over prompts of each gain over the reference and of
-    PVPO's final accuracy minus GRPO's (one seed: the intervals are over prompts)."""
-    from anchor_rl.bench.summary import paired, prompt_accuracy
-    from anchor_rl.trainer.logging import read_evals, read_metrics
-
-    runs, per_prompt = {}, {}
-    for name, run_dir in (("pvpo", pvpo_dir), ("grpo", grpo_dir)):
-        records = read_metrics(run_dir)
-        evals = [r for r in records if "eval/accuracy" in r]
-        runs[name] = {
-            "before": evals[0]["eval/accuracy"],
-            "after": evals[-1]["eval/accuracy"],
-            "rollouts": records[-1].get("rollouts/total", records[-1]["rollouts/cumulative"]),
-            "seconds": records[-1]["time/elapsed"],
-        }
-        pair = prompt_accuracy(read_evals(run_dir))
-        if pair is None:
-            raise ValueError(f"{run_dir} has no per-prompt evaluation before and after training")
-        per_prompt[name] = [pair]
-    comparisons = paired(per_prompt, "grpo")
-    for name in runs:
-        runs[name]["gain"] = comparisons["gain"][name]
-    return {"runs": runs, "pvpo_minus_grpo": comparisons["vs_baseline"]["pvpo"]}
+    md, png = write_report(out, facts, raw)
+    return {**facts, "raw": raw, "raw_json": raw_path, "report_md": md, "report_png": png}
 
 
 def report_facts(
@@ -209,80 +192,41 @@ def report_facts(
         "setup_s": setup_s,
         "train_s": last["time/elapsed"],
         "total_s": total_s,
-        "curve": [(r["step"], r["eval/accuracy"]) for r in evals],
         "train_curve": [
             (r["step"], r["eval/train_accuracy"]) for r in evals if "eval/train_accuracy" in r
         ],
-        "reward": [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r],
     }
 
 
-def write_report(out: Path, facts: Mapping[str, Any]) -> tuple[Path, Path]:
-    """``report.md`` and ``report.png`` (held-out accuracy and training reward against steps)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write_report(out: Path, facts: Mapping[str, Any], raw: Mapping[str, Any]) -> tuple[Path, Path]:
+    """``report.md`` and ``report.png`` (:func:`anchor_rl.bench.quickstart_results.plot`:
+    every run's held-out accuracy against steps and total rollouts, and training reward)."""
     out = Path(out)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    left.plot(*zip(*facts["curve"], strict=True), marker="o", label="held-out prompts")
-    if facts["train_curve"]:
-        left.plot(*zip(*facts["train_curve"], strict=True), marker="o", label="training prompts")
-        left.legend(fontsize=8)
-    left.set(xlabel="step", ylabel="accuracy (greedy)", title=f"{facts['task']}: accuracy")
-    if facts["reward"]:
-        right.plot(*zip(*facts["reward"], strict=True))
-    right.set(xlabel="step", ylabel="mean reward", title="training rollouts")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png = out / REPORT_PNG
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = results.plot(raw, out / REPORT_PNG)
     md = out / REPORT_MD
-    md.write_text(_markdown(facts))
+    md.write_text(_markdown(facts, raw))
     return md, png
 
 
-def headline(comparison: Mapping[str, Any]) -> str:
-    """One sentence: PVPO's final held-out accuracy against GRPO's, and whether the paired
-    interval tells them apart."""
-    d = comparison["pvpo_minus_grpo"]
-    if d["low"] > 0:
-        verdict = "PVPO ended ahead of GRPO"
-    elif d["high"] < 0:
-        verdict = "PVPO ended behind GRPO"
-    else:
-        verdict = "PVPO and GRPO cannot be told apart"
-    return (
-        f"{verdict} on {d['prompts']} held-out prompts: PVPO minus GRPO {format_bootstrap(d)} "
-        "(mean [95% paired bootstrap over prompts]; one seed)"
-    )
-
-
-def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
-    lines = [
+def _comparison_lines(raw: Mapping[str, Any]) -> list[str]:
+    header, rows = results.side_by_side(raw)
+    return [
         "## PVPO beside GRPO",
         "",
-        headline(c) + ". Both runs start from the same reference and train the same steps on "
-        "the same prompts with the same N, learning rate and KL coefficient; GRPO's run is in "
-        f"`{GRPO_DIR}/`.",
+        results.headline(raw),
         "",
-        "| run | held-out before → after | gain over the reference [95% paired bootstrap] "
-        "| rollouts (presampling included) | seconds |",
-        "| --- | --- | --- | ---: | ---: |",
+        "Both runs start from the same reference and train the same steps on the same prompts "
+        "with the same N, learning rate and KL coefficient; GRPO's run is in "
+        f"`{GRPO_DIR}/`. " + results.host_line(raw),
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- |" + " ---: |" * (len(header) - 1),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
     ]
-    for name, label in (("pvpo", "PVPO"), ("grpo", "GRPO")):
-        r = c["runs"][name]
-        lines.append(
-            f"| {label} | {r['before']:.3f} → {r['after']:.3f} | {format_bootstrap(r['gain'])} "
-            f"| {r['rollouts']:.0f} | {r['seconds']:.0f} |"
-        )
-    return [*lines, ""]
 
 
-def _markdown(f: Mapping[str, Any]) -> str:
+def _markdown(f: Mapping[str, Any], raw: Mapping[str, Any]) -> str:
     stopped = "" if f["steps"] == f["steps_asked"] else f" (time limit; {f['steps_asked']} asked)"
     lines = [
         f"# anchor-rl quickstart: PVPO on `{f['task']}`",
@@ -290,7 +234,7 @@ def _markdown(f: Mapping[str, Any]) -> str:
         f"Policy and reference `{f['model']}`; run directory `{f['run_dir']}` "
         f"(`anchor-rl train --resume {f['run_dir']} steps=N` continues it).",
         "",
-        *(_comparison_lines(f["comparison"]) if f.get("comparison") else []),
+        *(_comparison_lines(raw) if "pvpo_minus_grpo" in raw else []),
         "## PVPO's run",
         "",
         "| | |",
@@ -310,7 +254,9 @@ def _markdown(f: Mapping[str, Any]) -> str:
         f"| wall time: training and evaluation | {f['train_s']:.0f} s |",
         f"| wall time: total | {f['total_s']:.0f} s |",
         "",
-        f"![held-out accuracy and training reward]({REPORT_PNG})",
+        f"Raw results: `{results.RAW_FILE}` (`anchor-rl report {f['run_dir']}` reads them).",
+        "",
+        f"![held-out accuracy against steps and rollouts, training reward]({REPORT_PNG})",
         "",
     ]
     if f["filter"] is not None:

@@ -1,6 +1,7 @@
 """Bench results found under directories: each suite's methods (labels) with their runs'
-metric records and figures, training runs outside suites, and the ``baseline-mse``,
-``trl`` and ``throughput`` payloads (what ``anchor-rl report`` reads)."""
+metric records and figures, training runs outside suites, the ``baseline-mse``, ``trl`` and
+``throughput`` payloads, and quickstarts' raw results (``quickstart.json``; the runs inside
+a quickstart's directory are its, not runs of their own): what ``anchor-rl report`` reads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from anchor_rl.bench.quickstart_results import RAW_FILE, is_raw
+
+RESULT_FILES = ("summary.json", "baseline_mse.json", "trl_compare.json", "throughput.json")
 
 
 @dataclass
@@ -35,6 +40,7 @@ class Results:
     mse: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     trl: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     throughput: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
+    quickstart: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     sources: list[Path] = field(default_factory=list)
 
 
@@ -45,7 +51,7 @@ def load_results(paths: Sequence[Path]) -> Results:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is not a directory")
-        for name in ("summary.json", "baseline_mse.json", "trl_compare.json", "throughput.json"):
+        for name in (*RESULT_FILES, RAW_FILE):
             for found in sorted(path.rglob(name)):
                 files.setdefault(found.resolve(), found)
     results = Results()
@@ -67,6 +73,11 @@ def load_results(paths: Sequence[Path]) -> Results:
             suite_dirs.add(file.parent.resolve())
         elif file.name == "baseline_mse.json":
             results.mse.append((file.parent, payload))
+        elif file.name == RAW_FILE:
+            if not is_raw(payload):
+                continue  # another file of that name
+            results.quickstart.append((file.parent, payload))
+            suite_dirs.add(file.parent.resolve())
         elif file.name == "trl_compare.json":
             results.trl.append((file.parent, payload))
         else:
@@ -74,7 +85,7 @@ def load_results(paths: Sequence[Path]) -> Results:
         results.sources.append(file)
     in_suites = {d.resolve() for m in results.methods for d in m.run_dirs}
     for run_dir in trained:
-        inside = suite_dirs & set(run_dir.resolve().parents)
+        inside = suite_dirs & {run_dir.resolve(), *run_dir.resolve().parents}
         if run_dir.resolve() not in in_suites and not inside:
             results.methods.append(_run_method(run_dir))
             results.sources.append(run_dir / "summary.json")

@@ -170,17 +170,33 @@ def quickstart(
     ] = True,
 ) -> None:
     """PVPO end to end: SFT reference (cached), presampling, group sampling, training with
-    held-out evaluation before and after, GRPO at the same settings beside it, and a
-    report (markdown and PNG)."""
-    from anchor_rl.bench.quickstart import headline, quickstart_config, run_quickstart
+    held-out evaluation before and after, GRPO at the same settings beside it, its raw
+    results (OUT/quickstart.json, read by anchor-rl report) and a report (markdown, PNG)."""
+    from anchor_rl.bench.quickstart import quickstart_config, run_quickstart
+    from anchor_rl.bench.quickstart_results import CAVEAT, RUNS, accuracy_line, verdict
+    from anchor_rl.bench.summary import format_bootstrap
 
     cfg = quickstart_config(task, steps, time_limit, overrides or [])
     run_dir = out or Path("runs") / f"quickstart-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run_quickstart(cfg, run_dir, compare)
+    command = " ".join(  # recorded in the raw results: no machine path
+        ["anchor-rl quickstart", *([f"--task {task}"] if task != "arithmetic" else []),
+         *([f"--steps {steps}"] if steps is not None else []),
+         *([f"--time-limit {time_limit:g}"] if time_limit is not None else []),
+         *([] if compare else ["--no-compare"]), *(overrides or [])]
+    )  # fmt: skip
+    result = run_quickstart(cfg, run_dir, compare, command)
+    raw = result["raw"]
+    for name in RUNS:
+        if name in raw["runs"]:
+            typer.echo(accuracy_line(raw, name, arrow="->"))
+    if "pvpo_minus_grpo" in raw:
+        d = raw["pvpo_minus_grpo"]
+        typer.echo(
+            f"PVPO minus GRPO after training {format_bootstrap(d)} (95% paired bootstrap over "
+            f"prompts): {verdict(d)}"
+        )
+    typer.echo(f"{CAVEAT[0].upper()}{CAVEAT[1:]}; docs/quickstart.md has two CPUs' figures.")
     typer.echo(
-        f"held-out accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} "
-        f"in {result['total_s']:.0f} s"
+        f"quickstart took {result['total_s']:.0f} s; report: {result['report_md']} (plot: "
+        f"{result['report_png']}; raw results: {result['raw_json']})"
     )
-    if "comparison" in result:
-        typer.echo(headline(result["comparison"]))
-    typer.echo(f"report: {result['report_md']} (plot: {result['report_png']})")

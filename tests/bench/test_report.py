@@ -9,6 +9,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+from anchor_rl.bench import quickstart_results
 from anchor_rl.bench.claims import CLAIMS, measure_claim
 from anchor_rl.bench.report import BEGIN, END, splice
 from anchor_rl.bench.results import load_results
@@ -316,3 +317,72 @@ def test_a_summary_json_that_is_neither_a_suite_nor_a_run_is_left_out(tmp_path) 
     (tmp_path / "summary.json").write_text(json.dumps({"suite": "baseline-mse", "probe": {}}))
     results = load_results([tmp_path])
     assert results.methods == [] and results.sources == []
+
+
+def _write_quickstart(root) -> None:
+    """A quickstart's directory (PVPO in ``root``, GRPO in ``root/grpo``) on 4 held-out
+    prompts, then its raw results as the quickstart writes them. Per prompt before training
+    0 1 0 1 in both runs; after, PVPO 1 1 0 1 and GRPO 1 0 0 1."""
+    finals = {"pvpo": (root, 8.0, [1, 1, 0, 1]), "grpo": (root / "grpo", 0.0, [1, 0, 0, 1])}
+    for preset, (run_dir, presample, final) in finals.items():
+        run_dir.mkdir(parents=True)
+        records = _records([0.5, 0.5, sum(final) / 4])
+        for r in records:
+            r["rollouts/presample"] = presample
+            r["rollouts/total"] += presample
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        config = {"preset": preset, "task": "arithmetic", "model": "sft:tiny", "seed": 0,
+                  "steps": 4, "train_prompts": 4, "threads": "auto", "pvpo": {"m": 2},
+                  "rollout": {"prompts_per_step": 2, "n": 2}, "eval": {"prompts": 4, "every": 2},
+                  "optim": {"lr": 3e-5}, "kl": {"coef": 0.001}}  # fmt: skip
+        (run_dir / "config.json").write_text(json.dumps(config))
+        (run_dir / "summary.json").write_text(json.dumps({"preset": preset, "steps": 4}))
+        evals = [
+            {"step": step, "test": {"k": 1, "correct": {f"arithmetic-test-{i}": c
+                                                        for i, c in enumerate(correct)}}}
+            for step, correct in ((0, [0, 1, 0, 1]), (4, final))
+        ]  # fmt: skip
+        (run_dir / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    raw = quickstart_results.collect(root, "anchor-rl quickstart", {"sft": 0.0, "total": 9.0})
+    quickstart_results.write_raw(root, raw)
+
+
+def test_the_quickstart_raw_results_hold_both_runs_and_their_comparison(tmp_path) -> None:
+    _write_quickstart(tmp_path / "qs")
+    raw = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
+    pvpo, grpo = raw["runs"]["pvpo"], raw["runs"]["grpo"]
+    assert (pvpo["before"], pvpo["after"], grpo["after"]) == (0.5, 0.75, 0.5)
+    assert pvpo["held_out"]["after"] == {"k": 1, "ids": "arithmetic-test-{}", "counts": "1101"}
+    assert pvpo["curve"][0][:2] == [0, 8.0] and grpo["curve"][0][:2] == [0, 0.0]
+    assert (pvpo["rollouts_total"], grpo["rollouts_total"]) == (264.0, 256.0)
+    assert pvpo["gain"]["mean"] == 0.25 and grpo["gain"]["mean"] == 0.0
+    assert raw["pvpo_minus_grpo"]["mean"] == 0.25 and raw["pvpo_minus_grpo"]["prompts"] == 4
+    assert raw["host"]["cpu"] and raw["settings"]["m"] == 2 and raw["sft"] is None
+
+
+def test_report_shows_a_quickstart_side_by_side_without_rows_that_do_not_apply(tmp_path) -> None:
+    _write_quickstart(tmp_path / "qs")
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "qs"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    assert "### Quickstart `qs` (task `arithmetic`, `sft:tiny`)" in md
+    assert "| held-out accuracy after training | 0.750 | 0.500 |" in md
+    assert "| rollouts: presampling | 8 | 0 |" in md
+    assert "PVPO minus GRPO after training: +0.250 [" in md
+    assert "PVPO 0.500 → 0.750 (264 rollouts, 8 of them presampling)" in md
+    assert (out / "quickstart_qs.png").stat().st_size > 0 and "](quickstart_qs.png)" in md
+    # the two runs are the quickstart's, not suites of their own; no section without inputs
+    assert "Suite `run" not in md and "not measured" not in md and "No `" not in md
+    assert load_results([tmp_path]).methods == []
+
+
+def test_a_quickstart_beside_suites_keeps_both(bench, tmp_path) -> None:
+    _write_quickstart(bench / "qs")
+    results = load_results([bench])
+    assert [root.name for root, _ in results.quickstart] == ["qs"]
+    assert sorted(m.label for m in results.methods) == ["dapo", "grpo", "grpo+n8", "pvpo+n2"]
+    out = tmp_path / "report"
+    assert CliRunner().invoke(app, ["report", str(bench), "--out", str(out)]).exit_code == 0
+    md = (out / "report.md").read_text()
+    assert "### Quickstart `qs`" in md and "| `v05+k4` vs `grpo+k16` |" in md
