@@ -20,8 +20,12 @@ Modules: :mod:`.config` (the ``anchor_rl`` config node, no verl import),
 :mod:`.method` (anchors, the V0.5 prior and the advantage step on a ``DataProto``),
 :mod:`.estimators`, :mod:`.losses` (the VAPO actor loss with the positive-example NLL),
 :mod:`.rollout` (presampling and V0.5 top-ups through verl's rollout, the teacher agent
-loop), :mod:`.trainer`, and :mod:`.plugin`, which the ``verl.plugins`` entry point loads
-(``import verl`` in any process registers every name above).
+loop), :mod:`.trainer`, :mod:`.registry` (the trainer's start-up check that verl's
+registries hold these names), :mod:`.compat` (verl's model build beside trl 1.16),
+:mod:`.cpu` (a ``cpu`` platform for verl, used with ``VERL_PLATFORM=cpu``),
+:mod:`.backend` (the ``anchor_rl`` rollout backend: ``actor_rollout_ref.rollout.name``), and
+:mod:`.plugin`, which the ``verl.plugins`` entry point loads (``import verl`` in any
+process registers every name above).
 
 Nothing here imports verl, so the names below are readable without it.
 """

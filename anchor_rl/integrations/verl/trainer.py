@@ -63,6 +63,7 @@ from anchor_rl.integrations.verl.data import (
     presample_key,
 )
 from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
+from anchor_rl.integrations.verl.registry import check_registered
 from anchor_rl.integrations.verl.rollout import (
     TEACHER_FIELD,
     TEACHER_LOGPROBS,
@@ -172,6 +173,7 @@ class AnchorRLTrainer(PPOTrainerSync):
     """verl's synchronous PPO trainer with anchor-rl's PVPO, V0.5 or VAPO (module docstring)."""
 
     def __init__(self, config: Any) -> None:
+        check_registered()  # verl hides a failed plug-in import: refuse a partial install
         self.method_cfg = MethodConfig.from_verl(config)
         check_verl_config(config, self.method_cfg)
         self.state: MethodState | None = None
