@@ -13,12 +13,12 @@ import sys
 import torch
 
 from anchor_rl.anchors.store import AnchorStore
+from anchor_rl.methods.pvpo import presample_set
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.tasks import get_task
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.pvpo import presample_params
-from anchor_rl.methods.pvpo import presample_set
 
 BATCH = 4  # prompts per sampling call: the store commits after each
 

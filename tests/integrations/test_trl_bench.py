@@ -7,9 +7,9 @@ import json
 import pytest
 
 from anchor_rl.bench.runner import BenchArgs
+from anchor_rl.bench.trl_pvpo import run_trl_pvpo_suite
 from anchor_rl.cli.bench import FUNCTION_SUITES
 from anchor_rl.errors import ConfigError
-from anchor_rl.bench.trl_pvpo import run_trl_pvpo_suite
 
 
 def test_one_step_of_both_trainers_writes_the_comparison(tmp_path, parity, one_thread) -> None:

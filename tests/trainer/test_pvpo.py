@@ -13,6 +13,7 @@ from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.store import AnchorStore, TeacherTrajectory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.cli import app
+from anchor_rl.methods.pvpo import pool_target, presample_cost_note, walk_order
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import save_policy
 from anchor_rl.models.tokenizer import build_tokenizer
@@ -26,7 +27,6 @@ from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train, train_step
 from anchor_rl.trainer.pvpo import batch_anchors, inject_teachers, reference_key
-from anchor_rl.methods.pvpo import pool_target, presample_cost_note, walk_order
 from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs, score_logprobs
 
