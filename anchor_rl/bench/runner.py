@@ -31,8 +31,10 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
 
 Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
 ``per_preset`` last), the variant, the profile's settings for that variant, ``seed``, the
-command line (``--steps``, ``key=value``). Every run's config is validated before the first
-run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
+command line (``--steps``, ``key=value``). A run that reads PVPO's anchors and sets no
+``pvpo.presample_seed`` draws them with its own ``seed``, so a suite's spread over seeds
+includes the anchors' sampling noise (a training run's default anchor seed is 0, shared by
+every seed). Every run's config is validated before the first run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
 from their checkpoint, so re-running a suite command continues it.
 """
 
@@ -192,6 +194,9 @@ def plan(
                     table = _merge(table, layer)
                 try:
                     cfg = build_config(apply_overrides(table, cli))
+                    if cfg.pvpo.presample_seed is None and _reads_anchors(cfg):
+                        table = _merge(table, {"pvpo": {"presample_seed": seed}})
+                        cfg = build_config(apply_overrides(table, cli))
                 except ConfigError as e:
                     raise ConfigError(
                         f"suite {suite.name!r}, run {label} seed {seed}: {e}"
@@ -199,6 +204,12 @@ def plan(
                 specs.append(RunSpec(label, seed, cfg, Path(out) / label / f"seed{seed}"))
     _check_tasks(specs)
     return specs
+
+
+def _reads_anchors(cfg: TrainConfig) -> bool:
+    """Whether a run reads PVPO's presampled anchors (PVPO, or V0.5 with an anchor prior)."""
+    anchor_prior = cfg.v05.prior.split("+")[0] == "anchor"
+    return "pvpo" in cfg.methods or ("v05" in cfg.methods and anchor_prior)
 
 
 def _check_tasks(specs: Sequence[RunSpec]) -> None:

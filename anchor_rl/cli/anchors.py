@@ -84,8 +84,8 @@ MaxTurnsOpt = Annotated[
 SeedOpt = Annotated[
     int,
     typer.Option(
-        help="Seed of the anchor draw (part of the store key) and of a random:SIZE init: the "
-        "training run's seed, or its pvpo.presample_seed, for the run to find these anchors."
+        help="Seed of the anchor draw (part of the store key) and of a random:SIZE init: a "
+        "training run's pvpo.presample_seed (0 unless set), for the run to find these anchors."
     ),
 ]
 DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]

@@ -95,6 +95,19 @@ def test_plan_layers_and_directories(micro, tmp_path) -> None:
     assert specs[1].run_dir == tmp_path / "grpo+short" / "seed4"
 
 
+def test_each_seed_of_a_suite_draws_its_own_anchors_unless_the_suite_sets_them(tmp_path):
+    specs = plan(load_suite("pvpo"), tmp_path, profile="quick")
+    seeds = {(s.label, s.seed): s.config.pvpo.presample_seed for s in specs}
+    assert {seeds[("pvpo+n2", k)] for k in (0, 1, 2)} == {0, 1, 2}  # the run's own seed
+    assert {seeds[("grpo+n8", k)] for k in (0, 1, 2)} == {None}  # reads no anchors
+    suite = tmp_path / "fixed.toml"
+    suite.write_text(
+        'presets = ["pvpo"]\nseeds = [0, 1]\n[base]\nmodel = "random:tiny"\n'
+        "[per_preset.pvpo]\npvpo = { presample_seed = 7 }\n"
+    )
+    assert {s.config.pvpo.presample_seed for s in plan(load_suite(str(suite)), tmp_path)} == {7}
+
+
 def test_runs_may_name_a_bare_preset_beside_its_variants(tmp_path) -> None:
     suite = tmp_path / "s.toml"
     suite.write_text(
