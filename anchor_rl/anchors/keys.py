@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from anchor_rl.models.lora import inert_lora_base
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +33,7 @@ __all__ = [
     "canonical_json",
     "fingerprint_model",
     "fingerprint_tokenizer",
+    "inert_lora_base",
     "sampling_settings",
     "task_identity",
 ]
@@ -99,8 +102,9 @@ def fingerprint_model(model: torch.nn.Module) -> str:
     Reads each tensor once (moved to the CPU one at a time), so it costs about one pass
     over the weights: a few seconds for a 7B model. The same weights in another dtype
     give another fingerprint, which is right: they sample differently. A PEFT model whose
-    LoRA adapters add nothing yet (:func:`inert_lora_base`: a fresh LoRA) samples as its base
-    model and is hashed as that, so anchors presampled from the base model serve it.
+    LoRA adapters add nothing yet (:func:`~anchor_rl.models.lora.inert_lora_base`: a fresh
+    LoRA, wrapped by PEFT or injected in place) samples as its base model and is hashed as
+    that, so anchors presampled from the base model serve it.
     """
     import torch
 
@@ -114,29 +118,6 @@ def fingerprint_model(model: torch.nn.Module) -> str:
         h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def inert_lora_base(model: torch.nn.Module) -> tuple[str, dict[str, Any]] | None:
-    """``(class name, state dict)`` of a PEFT model's base model with its LoRA layers taken
-    out (``q_proj.base_layer.weight`` read as ``q_proj.weight``, the adapters' tensors
-    dropped), when the adapters change no output: LoRA only, every ``lora_B`` and
-    ``lora_embedding_B`` factor zero (as a fresh LoRA's), no DoRA magnitudes and no
-    ``modules_to_save`` copies. None for any other model, which is hashed as it is."""
-    if not hasattr(model, "peft_config") or not hasattr(model, "get_base_model"):
-        return None
-    base = model.get_base_model()
-    plain: dict[str, Any] = {}
-    adapters = False
-    for name, tensor in base.state_dict().items():
-        if "lora_magnitude" in name or "modules_to_save" in name or "original_module" in name:
-            return None
-        if ".lora_" not in name:
-            plain[name.replace(".base_layer.", ".")] = tensor
-            continue
-        adapters = True
-        if ("lora_B" in name or "lora_embedding_B" in name) and bool(tensor.detach().any()):
-            return None
-    return (type(base).__name__, plain) if adapters else None
 
 
 def fingerprint_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:

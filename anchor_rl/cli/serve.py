@@ -38,6 +38,13 @@ def serve_command(
         typer.Option(min=0.0, help="How long a batch waits for concurrent requests to join it."),
     ] = 5.0,
     device: Annotated[str, typer.Option(help="Torch device.")] = "cpu",
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            help="A LoRA adapter directory (PEFT format: a LoRA run's checkpoint policy/) "
+            "applied to --model, its base model; served merged into its weights."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve a model: /v1/completions, /v1/chat/completions, /v1/models, /v1/weights, /health.
@@ -60,6 +67,13 @@ def serve_command(
         policy, tokenizer = load_spec(model, task, parse_task_kwargs(task_kwargs), seed, device)
     except (ValueError, AnchorRLError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    if adapter is not None:
+        from anchor_rl.models.lora import load_adapter, merge_adapter
+
+        try:
+            policy = merge_adapter(load_adapter(policy, adapter))
+        except AnchorRLError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--adapter") from exc
     server = ModelServer(policy, tokenizer, name or model, max_batch=max_batch)
     app = build_app(server, max_batch, batch_wait_ms)
 

@@ -43,6 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.cluster.connect import connect, import_ray
 from anchor_rl.cluster.worker import RolloutWorker
+from anchor_rl.models.lora import sampling_state
 from anchor_rl.rollout.decoders import DecodeMode, decoder_for
 from anchor_rl.rollout.engine import PRECISIONS, Precision, Request, register_engine
 from anchor_rl.rollout.types import SamplingParams
@@ -158,7 +159,8 @@ class RayEngine:
         self._pids: list[int] = []
         actors = [self._spawn() for _ in range(workers)]
         self._workers, self._pids = actors, self._wait_started(actors)
-        self.sync_weights(model.state_dict())  # the workers start from the driver's weights
+        # the workers start from the driver's weights (a LoRA policy's merged into plain ones)
+        self.sync_weights(sampling_state(model))
 
     # -- the Engine protocol ----------------------------------------------------------
 

@@ -42,6 +42,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.models.lora import sampling_state
 from anchor_rl.models.tokenizer import encode_prompt, id_count
 from anchor_rl.rollout.agent import Response
 from anchor_rl.rollout.engine import Engine, Request, pack, register_engine, request_seed
@@ -49,8 +50,6 @@ from anchor_rl.rollout.http_client import Client, ServerError, ServerInfo, base_
 from anchor_rl.rollout.sampling import EOS, StopSet
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
-
-__all__ = ["HTTPEngine", "TokenMismatchError", "connect", "load_tokenizer"]
 
 TurnResult = tuple[list[int], list[float], str | None]
 """One turn of one row: (token ids, their log-probs, the server's finish_reason)."""
@@ -507,5 +506,5 @@ def _http_engine(
         vocab_size=id_count(policy, tokenizer),
     )  # fmt: skip
     if sync_on_start:
-        engine.sync_weights(policy.state_dict())
+        engine.sync_weights(sampling_state(policy))  # a LoRA policy: merged weights
     return engine

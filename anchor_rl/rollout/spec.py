@@ -64,6 +64,12 @@ def _load(
             tokenizer = build_tokenizer()
             return build_model(size, tokenizer, seed=seed).to(device), tokenizer
         return load_policy(sft_model_dir(spec, task, task_args, progress), device=device)
+    where = Path(spec)
+    if (where / "adapter_config.json").is_file() and not (where / "config.json").is_file():
+        raise AnchorRLError(
+            f"model {spec!r} is a LoRA adapter, not a model: give its base model as the model "
+            "and this directory as the adapter (anchor-rl eval/serve --adapter DIR)"
+        )
     if not (Path(spec) / "config.json").is_file():
         raise AnchorRLError(
             f"model {spec!r} is neither a model directory (no config.json there) nor a spec "

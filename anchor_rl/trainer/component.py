@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from anchor_rl.models.loading import disable_dropout
+from anchor_rl.models.lora import lora_base
 from anchor_rl.rollout.spec import load_reference
 from anchor_rl.trainer.registry import COMPONENTS, register_component
 
@@ -54,8 +55,9 @@ class Setup:
         records, such as writing its presampling report, is skipped; state comes from
         ``load_state_dict``).
     generator: the run's random stream (mini-batch shuffles; rollouts are seeded per request).
-    reference: the frozen initial policy (``ref_model`` or ``model`` loaded again), loaded
-        on first use by :meth:`get_reference` unless the run loaded it for its KL term.
+    reference: the frozen initial policy (``ref_model`` or ``model`` loaded again; for a LoRA
+        policy its base model, adapters out, sharing the policy's tensors), loaded on first
+        use by :meth:`get_reference` unless the run loaded it for its KL term.
     """
 
     cfg: TrainConfig
@@ -74,6 +76,8 @@ class Setup:
 
     def get_reference(self) -> PreTrainedModel:
         """The frozen reference policy, loaded once (shared with the KL term)."""
+        if self.reference is None and self.cfg.lora.enabled and self.cfg.ref_model is None:
+            self.reference = lora_base(self.policy)  # the base model's tensors, shared
         if self.reference is None:
             cfg = self.cfg
             self.reference = load_reference(

@@ -15,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.methods.v05_config import ANCHOR_KNOBS
+from anchor_rl.models.lora import lora_errors
 from anchor_rl.trainer.plugins import engines
 
 METHOD_SECTIONS = ("pvpo", "v05", "critic")
@@ -208,7 +209,7 @@ def combination_errors(cfg: Any) -> list[str]:
     # --- the critic ------------------------------------------------------------------------
     if critic:
         errors += cfg.critic.errors()
-    return errors
+    return errors + lora_errors(cfg)
 
 
 def _engine_option_errors(name: str, factory: Any, options: Mapping[str, Any]) -> list[str]:
