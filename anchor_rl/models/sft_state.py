@@ -40,7 +40,7 @@ def save_state(
     checks: Any | None,
 ) -> Path | None:
     """Write the state after ``step`` optimiser steps of the run with cache key ``key``
-    (``checks``: the class stop's bookkeeping, ``anchor_rl.models.sft._ValidationStop``) in
+    (``checks``: the class stop's bookkeeping, ``anchor_rl.models.sft_stop.ValidationStop``) in
     ``where``; its path (None: ``where`` is None, nothing is kept)."""
     if where is None:
         return None

@@ -188,7 +188,7 @@ def class_shares(
     samples at T = 1 (top-p 1) from ``model`` in the in-process ``hf`` engine, the response
     budget from the task's traces (:func:`trace_budget`), each sample seeded by its record
     (``seed="sft-class-stop"``, split ``"validation"``). The validator of SFT's class stop
-    (``anchor_rl.models.sft.ClassStop``); the model is left in the mode it was in."""
+    (``anchor_rl.models.sft_stop.ClassStop``); the model is left in the mode it was in."""
     engine = make_engine("hf", model, tokenizer)
     budget = trace_budget(tokenizer, task, records)
     params = SamplingParams(temperature=1.0, max_new_tokens=budget, stop=task.stop)

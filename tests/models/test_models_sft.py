@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import anchor_rl.tasks
-from anchor_rl.models import sft
+from anchor_rl.models import sft, sft_stop
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.paths import cache_root
 from anchor_rl.tasks.base import Record, Task
@@ -203,30 +203,30 @@ def shares(acc0, mid, acc1):
 
 def test_choose_stop_keeps_the_evaluation_with_the_largest_thinnest_class():
     evals = [shares(0.6, 0.4, 0.0), shares(0.3, 0.6, 0.1)]
-    assert sft.choose_stop(evals, 0.15) == (False, 1)  # acc=0 still 0.30: keep going
+    assert sft_stop.choose_stop(evals, 0.15) == (False, 1)  # acc=0 still 0.30: keep going
     evals.append(shares(0.2, 0.6, 0.2))  # thinnest 0.20: the best so far
     evals.append(shares(0.1, 0.5, 0.4))  # acc=0 under 0.15: the window is behind the run
-    assert sft.choose_stop(evals, 0.15) == (True, 2)
+    assert sft_stop.choose_stop(evals, 0.15) == (True, 2)
     # equal thinnest classes: the larger second-thinnest share wins, then the earlier one
-    assert sft.choose_stop([shares(1.0, 0.0, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 1)
-    assert sft.choose_stop([shares(0.9, 0.1, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 0)
+    assert sft_stop.choose_stop([shares(1.0, 0.0, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 1)
+    assert sft_stop.choose_stop([shares(0.9, 0.1, 0.0), shares(0.9, 0.1, 0.0)], 0.15) == (False, 0)
     with pytest.raises(ValueError, match="no evaluations"):
-        sft.choose_stop([], 0.15)
+        sft_stop.choose_stop([], 0.15)
 
 
 def test_class_stop_settings_parse_validate_and_key_the_config():
-    assert sft.ClassStop.parse(None) is None and sft.ClassStop.parse(False) is None
-    assert sft.ClassStop.parse(True) == sft.ClassStop()
-    assert sft.ClassStop.parse({"every": 20}).every == 20
+    assert sft_stop.ClassStop.parse(None) is None and sft_stop.ClassStop.parse(False) is None
+    assert sft_stop.ClassStop.parse(True) == sft_stop.ClassStop()
+    assert sft_stop.ClassStop.parse({"every": 20}).every == 20
     with pytest.raises(ValueError, match="unknown class_stop keys: often"):
-        sft.ClassStop.parse({"often": 1})
+        sft_stop.ClassStop.parse({"often": 1})
     with pytest.raises(ValueError, match="k must be >= 2"):
-        sft.ClassStop(k=1)
+        sft_stop.ClassStop(k=1)
     with pytest.raises(ValueError, match="min_share"):
-        sft.ClassStop(min_share=0.5)
+        sft_stop.ClassStop(min_share=0.5)
     plain = sft.SFTConfig(task="copy")
     stopped = sft.SFTConfig(task="copy", class_stop={"every": 20})
-    assert stopped.class_stop == sft.ClassStop(every=20) and stopped.key() != plain.key()
+    assert stopped.class_stop == sft_stop.ClassStop(every=20) and stopped.key() != plain.key()
     # a config without class_stop keeps the key it had before the field existed (caches stay)
     from dataclasses import asdict
 
@@ -236,7 +236,7 @@ def test_class_stop_settings_parse_validate_and_key_the_config():
     # arithmetic's reference stops by its classes (steps is the budget); the teacher trains
     # its fixed steps; False turns a task's default stop off
     reference = sft.default_config("arithmetic")
-    assert (reference.class_stop, reference.steps) == (sft.ClassStop(start=1000), 5000)
+    assert (reference.class_stop, reference.steps) == (sft_stop.ClassStop(start=1000), 5000)
     assert sft.default_config("arithmetic", "tiny", "teacher").class_stop is None
     assert sft.default_config("arithmetic", class_stop=False).class_stop is None
     assert sft.default_config("multihop").class_stop is None
@@ -301,9 +301,9 @@ def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_
     # the rule itself is checked by hand above; here it keeps the 3rd evaluation (step 30)
     # and stops after the 4th, so the saved weights are not the last ones trained
     monkeypatch.setattr(
-        sft, "choose_stop", lambda evals, share: (len(evals) == 4, min(2, len(evals) - 1))
+        sft_stop, "choose_stop", lambda evals, share: (len(evals) == 4, min(2, len(evals) - 1))
     )
-    stop = sft.ClassStop(min_share=0.1, val_prompts=16, every=10, k=4, coarse=1)
+    stop = sft_stop.ClassStop(min_share=0.1, val_prompts=16, every=10, k=4, coarse=1)
     cfg = sft.SFTConfig(task="copy", steps=60, batch_size=16, lr=3e-3, class_stop=stop)
     with pytest.raises(ValueError, match="class_stop needs a validator"):
         sft.run_sft(cfg, tmp_path / "m", progress=False)
@@ -316,12 +316,12 @@ def test_class_stop_holds_out_validation_prompts_and_saves_the_kept_weights(tmp_
     assert steps == [10, 20, 30, 40] and len(losses) == 40
     kept = report["kept"]
     assert report["kept_step"] == kept["step"] == 30
-    assert report["met_target"] == (min(kept[c] for c in sft.CLASSES) >= 0.1)
+    assert report["met_target"] == (min(kept[c] for c in sft_stop.CLASSES) >= 0.1)
 
     # the saved model is the kept one: re-evaluating it reproduces the kept evaluation
     model, tokenizer = load_policy(tmp_path / "m")
     again = class_shares(model, tokenizer, copy_task, validation, 4)
-    assert again == {c: kept[c] for c in ("avg@4", *sft.CLASSES)}
+    assert again == {c: kept[c] for c in ("avg@4", *sft_stop.CLASSES)}
 
 
 def test_validation_slice_is_mixed_like_the_test_split():
@@ -330,19 +330,19 @@ def test_validation_slice_is_mixed_like_the_test_split():
                 for i, d in enumerate(levels)]  # fmt: skip
 
     train = recs([1, 1, 1, 2, 2, 2, 2, 2, 2, 2])  # 30% level 1; the test split is half
-    rest, val = sft.validation_slice(train, recs([1, 1, 2, 2]), 4)
+    rest, val = sft_stop.validation_slice(train, recs([1, 1, 2, 2]), 4)
     assert [r.id for r in val] == ["1", "2", "8", "9"]  # the last two of each level
     assert [r.id for r in rest] == ["0", "3", "4", "5", "6", "7"]
     # odd quotas go to the largest remainders: 3 of a 2:1 test mix -> 2 and 1
-    _, val = sft.validation_slice(train, recs([2, 2, 1]), 3)
+    _, val = sft_stop.validation_slice(train, recs([2, 2, 1]), 3)
     assert [r.meta["difficulty"] for r in val] == [1, 2, 2]
     # a level the training split lacks, or no difficulties: the last training records
-    _, val = sft.validation_slice(train, recs([3, 3]), 2)
+    _, val = sft_stop.validation_slice(train, recs([3, 3]), 2)
     assert [r.id for r in val] == ["8", "9"]
     plain = [Record(id=str(i), prompt="", answer="") for i in range(5)]
-    assert [r.id for r in sft.validation_slice(plain, plain, 2)[1]] == ["3", "4"]
+    assert [r.id for r in sft_stop.validation_slice(plain, plain, 2)[1]] == ["3", "4"]
     with pytest.raises(ValueError, match="cannot hold out 5 of 5"):
-        sft.validation_slice(plain, plain, 5)
+        sft_stop.validation_slice(plain, plain, 5)
 
 
 def test_sft_cli_class_stop_values(copy_task, monkeypatch):
@@ -361,10 +361,13 @@ def test_sft_cli_class_stop_values(copy_task, monkeypatch):
 
 
 def test_evaluations_come_coarse_while_far_from_the_window():
-    stop = sft.ClassStop(min_share=0.15, every=50, coarse=4)
-    assert sft.next_evaluation(1000, shares(0.7, 0.3, 0.0), stop) == 1200  # thinnest 0 < 0.075
-    assert sft.next_evaluation(1200, shares(0.5, 0.42, 0.08), stop) == 1250  # 0.08: near
-    assert sft.next_evaluation(1250, shares(0.5, 0.42, 0.08), sft.ClassStop(coarse=1)) == 1300
+    stop = sft_stop.ClassStop(min_share=0.15, every=50, coarse=4)
+    assert sft_stop.next_evaluation(1000, shares(0.7, 0.3, 0.0), stop) == 1200  # thinnest 0 < 0.075
+    assert sft_stop.next_evaluation(1200, shares(0.5, 0.42, 0.08), stop) == 1250  # 0.08: near
+    assert (
+        sft_stop.next_evaluation(1250, shares(0.5, 0.42, 0.08), sft_stop.ClassStop(coarse=1))
+        == 1300
+    )
 
 
 def test_a_class_stop_on_too_few_training_records_is_a_config_error(tmp_path) -> None:
