@@ -55,6 +55,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(
 ) -> None:
     overrides = [*TINY, *FAST.get(preset, []), "optim.lr=1e-2", "checkpoint.every=0", "steps=4"]
     straight = train(start_run(load_config(preset, overrides), tmp_path / "straight"))
+    before = signal.getsignal(signal.SIGTERM)  # another test's Ray may have set its own
     signal_during_step(monkeypatch, 3, signal.SIGTERM)
     with pytest.raises(Interrupted) as stopped:
         train(start_run(load_config(preset, overrides), tmp_path / "stopped"))
@@ -65,7 +66,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(
     assert f"kept: checkpoint step_000003 ({run_dir / 'checkpoints' / 'step_000003'})" in message
     assert message.endswith(f"resume with: anchor-rl train --resume {run_dir}")
     assert names(run_dir) == ["step_000003"] and not (run_dir / "summary.json").exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers were restored
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers were restored
     resumed = train(resume_run(run_dir))
     assert [r["step"] for r in metrics_but_timings(run_dir)] == [0, 1, 2, 3, 4]
     assert metrics_but_timings(straight.run_dir) == metrics_but_timings(resumed.run_dir)
