@@ -24,6 +24,11 @@ rank, so the ranks run their forward and backward passes in lockstep: a rank who
 of a mini-batch has fewer micro-batches than another's runs a zero-weighted pass for each
 missing one (:meth:`DataParallel.passes`).
 
+Where a rank runs is decided in one place, :func:`placement`: on the CPU every rank joins a
+gloo group and computes on the CPU; on CUDA each rank takes its own GPU (``cuda:LOCAL_RANK``,
+the rank on this machine) and the group is NCCL's. Nothing else differs between the two: the
+collectives below take their tensors on :attr:`DataParallel.device`.
+
 A check that stops an update before its optimiser step must decide the same on every rank:
 a rank that stops alone leaves the others waiting in the next mini-batch's all-reduce (a
 deadlock until the group's timeout), or steps them without it. The policy update checks
@@ -35,8 +40,10 @@ critic's ``fit_values`` checks its rank's own loss, so it asks the ranks first
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -47,13 +54,59 @@ from torch.nn.parallel import DistributedDataParallel
 Part = TypeVar("Part")
 
 
-class DataParallel:
-    """This process's place among ``world`` data-parallel ranks (an initialised group)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one learner rank runs: its process group's ``backend`` and its ``device``."""
 
-    def __init__(self, rank: int, world: int, sharded: bool = False) -> None:
+    backend: str
+    device: torch.device
+
+
+def placement(device: str, rank: int, world: int, local_rank: int | None = None) -> Placement:
+    """The backend and the device of learner ``rank`` of ``world`` for a run on ``device``
+    (the config's ``device``): on the CPU ``gloo`` and the CPU; on CUDA ``nccl`` and one GPU
+    per rank, ``cuda:LOCAL_RANK`` (``local_rank``, else the ``LOCAL_RANK`` environment
+    variable a launcher sets, else ``rank``: the ranks spawned on one machine), counted among
+    the GPUs this process sees (``CUDA_VISIBLE_DEVICES``; Ray sets it to a worker's GPU ids).
+    ValueError for another device type, a GPU index in ``device`` (rank 0 takes GPU 0), or
+    fewer visible GPUs than ``world`` when the CUDA runtime can count them."""
+    kind = torch.device(device)
+    if kind.type == "cpu":
+        return Placement("gloo", torch.device("cpu"))
+    if kind.type != "cuda":
+        raise ValueError(f"data-parallel learners run on cpu or cuda, not {device!r}")
+    if kind.index not in (None, 0):
+        raise ValueError(
+            f"device={device!r}: learner ranks take one GPU each from GPU 0 (rank r on cuda:r); "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES and set device=cuda"
+        )
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else None
+    if visible is not None and visible < world:
+        raise ValueError(
+            f"cluster.learners={world} on CUDA needs one GPU per rank; this process sees "
+            f"{visible} (CUDA_VISIBLE_DEVICES)"
+        )
+    return Placement("nccl", torch.device("cuda", local_rank))
+
+
+class DataParallel:
+    """This process's place among ``world`` data-parallel ranks (an initialised group);
+    ``device``: where its collectives' own tensors go (:func:`placement`: the CPU for gloo,
+    the rank's GPU for NCCL)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        sharded: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a world of {world}")
         self.rank, self.world, self.sharded = rank, world, sharded
+        self.device = torch.device(device)
         self._wrapped: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
 
     def shard(self, rows: Tensor) -> Tensor:
@@ -107,10 +160,10 @@ class DataParallel:
         """The ranks that vote to ``stop`` (this one's vote given), in order: the same list on
         every rank. Collective: one all-reduce (a sum) of a vector with each rank's flag in its
         own place."""
-        votes = torch.zeros(self.world, dtype=torch.int32)
+        votes = torch.zeros(self.world, dtype=torch.int32, device=self.device)
         votes[self.rank] = int(stop)
         dist.all_reduce(votes)
-        return [rank for rank in range(self.world) if votes[rank]]
+        return [rank for rank, vote in enumerate(votes.tolist()) if vote]
 
     def sum_stats(self, stats: Mapping[str, float]) -> dict[str, float]:
         """The metrics' sums over the ranks (a rank may lack keys its rows did not produce)."""

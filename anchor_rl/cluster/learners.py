@@ -2,7 +2,8 @@
 
 This process is rank 0: it runs the loop and holds the run's policy, optimiser and
 checkpoints. Ranks 1..N-1 are processes it spawns, each with a replica of the policy and
-its optimiser, joined by a torch.distributed process group (gloo). For every update
+its optimiser, joined by a torch.distributed process group (gloo on the CPU; on CUDA NCCL,
+one GPU per rank: ``data_parallel.placement``, the only place the two differ). For every update
 rank 0 broadcasts the step's batch and mini-batch schedule; every rank then runs
 ``update.ppo_update`` on its share of each mini-batch (``data_parallel.DataParallel``)
 through a ``DistributedDataParallel`` replica, whose backward sums the gradients over the
@@ -48,8 +49,9 @@ from torch.distributed import distributed_c10d
 
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.cluster.data_parallel import DataParallel, shard_model
+from anchor_rl.cluster.data_parallel import DataParallel, placement, shard_model
 from anchor_rl.errors import AnchorRLError, NonFiniteError
+from anchor_rl.models import checkpointing
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
 from anchor_rl.models.value_pretrain import fit_values
@@ -138,9 +140,11 @@ class LearnerGroup:
         with them (the rendezvous bounded by ``RENDEZVOUS``), send them the run's state and
         shard the models when sharding."""
         world = cfg.cluster.learners
+        where = placement(cfg.device, 0, world, local_rank=0)
         _await_joining(self.processes, joining, self._rank_errors)
+        _use_device(where.device)
         dist.init_process_group(
-            "gloo", init_method=address, rank=0, world_size=world, timeout=RENDEZVOUS
+            where.backend, init_method=address, rank=0, world_size=world, timeout=RENDEZVOUS
         )
         # the collectives' timeout and the store's (a group built later, FSDP's mesh on a
         # machine with CUDA, meets there); torch has no public setters for them
@@ -166,7 +170,7 @@ class LearnerGroup:
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
         self.critic = critic
-        self.dp = DataParallel(0, world, sharded)
+        self.dp = DataParallel(0, world, sharded, where.device)
         # what the updates train: the run's own policy and critic, or this rank's shards of
         # copies of them (rank 0 keeps the whole ones for the loop)
         self.trained = (policy, optimizer, scheduler)
@@ -390,12 +394,16 @@ def _learner(
     torch.set_num_threads(threads)
     keep_freed_memory()
     cfg = build_config(table)  # imports the run's plugins too
-    model = AutoModelForCausalLM.from_config(model_config)
+    where = placement(cfg.device, rank, world, local_rank=rank)  # spawned on this machine
+    _use_device(where.device)
+    model = AutoModelForCausalLM.from_config(model_config).to(where.device)
     if cfg.disable_dropout:
         disable_dropout(model)
+    if cfg.optim.activation_checkpointing:
+        checkpointing.enable(model)
     joining.set()
     dist.init_process_group(
-        "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
+        where.backend, init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
     )
     received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0)
@@ -425,7 +433,7 @@ def _learner(
             value_optimizer = critic_optimizer(cfg, value_model)
             value_optimizer.load_state_dict(state["critic"]["optimizer"])
             critic = (value_model, value_optimizer)
-    dp = DataParallel(rank, world, sharded)
+    dp = DataParallel(rank, world, sharded, where.device)
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
@@ -467,6 +475,13 @@ def _learner(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _use_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (NCCL's collectives and
+    ``broadcast_object_list`` use it); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _sharded_learner(

@@ -41,9 +41,17 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from anchor_rl.models.llama import body, llama_unsupported, module_layers, rotary_tables
+from anchor_rl.models.checkpointing import CHECKPOINT_KWARGS, layer_checkpointed
+from anchor_rl.models.llama import (
+    ModuleLayer,
+    body,
+    llama_unsupported,
+    module_layers,
+    rotary_tables,
+)
 from anchor_rl.models.padding import distinct_rows, left_pad, position_ids, token_cells
 
 if TYPE_CHECKING:
@@ -310,7 +318,11 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
         cells = part.new_zeros(r * t, *part.shape[1:]).index_copy(0, bucket.cells, part)
         return cells.view(r, t, *part.shape[1:]).transpose(1, 2)
 
-    for layer in module_layers(inner, len(tokens)):  # packed weights when no grad is taken
+    def run_layer(
+        layer: ModuleLayer, prompts: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer on the prompts' ``[G, P, H]`` and the tokens' ``[N + extra, H]``
+        states."""
         qp, kp, vp = (x.transpose(1, 2) for x in layer.project(prompts, cos_p, sin_p))
         qr, kr, vr = (x.split(sizes) for x in layer.project(tokens, cos_r, sin_r))
         prompt_out = _attend(qp, kp, vp, prompt_allowed, scale)  # [G, P, heads * D]
@@ -322,7 +334,15 @@ def shared_prefix_states(inner: nn.Module, layout: SharedPrefixLayout) -> torch.
             response_out.append(out.reshape(-1, out.shape[-1]).index_select(0, bucket.cells))
         if extra:
             response_out.append(response_out[-1].new_zeros(extra, response_out[-1].shape[-1]))
-        prompts = layer.finish(prompts, prompt_out)
-        tokens = layer.finish(tokens, torch.cat(response_out))
+        return layer.finish(prompts, prompt_out), layer.finish(tokens, torch.cat(response_out))
+
+    # activation checkpointing (optim.activation_checkpointing): each layer keeps its inputs
+    # only and is run again in the backward pass, as the model's own forward does
+    recompute = torch.is_grad_enabled() and inner.training
+    for layer in module_layers(inner, len(tokens)):  # packed weights when no grad is taken
+        if recompute and layer_checkpointed(layer.layer):
+            prompts, tokens = checkpoint(run_layer, layer, prompts, tokens, **CHECKPOINT_KWARGS)
+        else:
+            prompts, tokens = run_layer(layer, prompts, tokens)
     states = torch.cat([prompts[:, -1], tokens])[layout.predictor]  # [N, H]
     return inner.norm(states)

@@ -14,7 +14,6 @@ built with :func:`make_engine`; nothing outside this package constructs a concre
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl import threads
 from anchor_rl.batch import RolloutBatch
-from anchor_rl.models.lora import merged_copy
+from anchor_rl.models.lora import merged_copy, sampling_state
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.registry import Registry
 from anchor_rl.rollout.agent import Response, run_agent
@@ -199,18 +198,6 @@ def sampling_model(model: PreTrainedModel, precision: Precision) -> PreTrainedMo
     return twin.requires_grad_(False).eval()
 
 
-def copy_module(model: PreTrainedModel) -> PreTrainedModel:
-    """A deep copy of ``model`` without its gradients."""
-    grads = {p: p.grad for p in model.parameters()}
-    try:
-        for p in grads:
-            p.grad = None
-        return copy.deepcopy(model)
-    finally:
-        for p, g in grads.items():
-            p.grad = g
-
-
 class HFEngine:
     """Batched sampling with a ``transformers`` causal LM and a KV cache, in this process.
 
@@ -226,6 +213,11 @@ class HFEngine:
     whose parameters are bfloat16 (as inference servers hold them; buffers such as the
     rotary frequencies stay float32, and the sampler's softmax runs in float32). The copy
     is refreshed by every ``sync_weights``, which then always copies.
+
+    Between rollouts the engine holds that copy (nothing else: the static decoder's key/value
+    buffers and its CUDA graphs live for one generation turn). :meth:`release_memory` frees it
+    while the learner updates (``rollout.release_memory``), and returns the cached blocks of
+    PyTorch's CUDA allocator to the device; the next ``sync_weights`` (or rollout) fills it again.
     """
 
     def __init__(
@@ -241,7 +233,9 @@ class HFEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         decoder_for(model, decode)  # fails now on an unknown mode or an unsupported model
+        self.source = model
         self.model = sampling_model(model, precision)
+        self._released: dict[str, torch.Size] = {}  # parameters freed by release_memory
         self.tokenizer, self.max_batch = tokenizer, max_batch
         self.decode, self.precision = decode, precision
 
@@ -268,6 +262,8 @@ class HFEngine:
             )
         rows = [encoded[r.prompt] for r in requests]
         seeds = [r.seed for r in requests]
+        if self._released:  # released without a sync since: the source model's weights again
+            self.sync_weights(sampling_state(self.source))
         responses: list[Response] = []
         was_training = self.model.training
         self.model.eval()
@@ -290,6 +286,7 @@ class HFEngine:
         its adapters apply as it samples)."""
         if getattr(state, "source", None) is self.model:
             return
+        self._restore()
         if callable(getattr(state, "copy_into", None)):  # merged weights: one at a time
             state.copy_into(self.model)
             return
@@ -297,6 +294,39 @@ class HFEngine:
         if all(k in own and own[k].data_ptr() == v.data_ptr() for k, v in state.items()):
             return
         self.model.load_state_dict(state)
+
+    def release_memory(self) -> int:
+        """Free what the engine holds between rollouts, until the next ``sync_weights`` or
+        rollout fills it again: the parameters of its own sampling copy (``precision=bf16``
+        on a float32 policy; nothing when it samples the policy itself), and, on CUDA, the
+        allocator's cached blocks (``torch.cuda.empty_cache``: the last turn's key/value
+        buffers and CUDA graph pools, kept reserved after they were freed). Returns the bytes
+        of parameters freed."""
+        freed = 0
+        if self.model is not self.source and not self._released:
+            for name, param in self.model.named_parameters():
+                self._released[name] = param.shape
+                freed += param.numel() * param.element_size()
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def _restore(self) -> None:
+        """Give the released parameters storage again (uninitialised: the caller fills every
+        one of them)."""
+        if not self._released:
+            return
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._released[name], dtype=param.dtype, device=param.device)
+        self._released = {}
+
+
+def release_memory(engine: object) -> int:
+    """``engine.release_memory()`` where the engine has one (the in-process ``hf`` engine):
+    the bytes it freed; 0 for an engine without one."""
+    release = getattr(engine, "release_memory", None)
+    return int(release()) if callable(release) else 0
 
 
 @register_engine("hf")

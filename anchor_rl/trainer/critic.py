@@ -43,6 +43,7 @@ from transformers import PreTrainedModel
 
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
+from anchor_rl.models import checkpointing
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout, quiet_transformers
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
@@ -100,6 +101,8 @@ def configured(critic: Critic, cfg: TrainConfig) -> Critic:
     critic.shared_prefix = allowed["shared"] is not False
     if cfg.disable_dropout:
         disable_dropout(critic)
+    if cfg.optim.activation_checkpointing and critic.mode == "separate":  # shared: no grad
+        checkpointing.enable(critic.backbone)
     return critic
 
 

@@ -348,8 +348,11 @@ def test_the_critics_ranks_agree_to_stop_when_one_ranks_loss_is_not_finite(bad) 
 
 def test_what_learners_do_not_support_yet_is_refused() -> None:
     assert load_config("ppo", ["cluster.learners=2"]).cluster.learners == 2  # the critic too
-    with pytest.raises(ConfigError, match="on device=cuda is not built yet"):
-        load_config("grpo", ["cluster.learners=2", "device=cuda"])
+    assert load_config("grpo", ["cluster.learners=2", "device=cuda"]).device == "cuda"  # NCCL
+    with pytest.raises(ConfigError, match="the ranks take GPUs 0..N-1"):
+        load_config("grpo", ["cluster.learners=2", "device=cuda:1"])
+    with pytest.raises(ConfigError, match="runs on cpu .gloo. or cuda .NCCL., not device=mps"):
+        load_config("grpo", ["cluster.learners=2", "device=mps"])
     assert not math.isnan(load_config("grpo", ["cluster.learners=2"]).optim.lr)
     fsdp = ["cluster.learners=2", "cluster.learner_sharding=fsdp"]
     assert load_config("ppo", fsdp).cluster.learner_sharding == "fsdp"  # a separate critic
