@@ -15,6 +15,7 @@ registered names, and a new estimator is one decorated function (docs/algorithms
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from anchor_rl.algos.gae import gae
 from anchor_rl.registry import Registry
 
 INPUTS = ("rewards", "index", "anchor", "baseline", "token_rewards", "dense_rewards", "mask",
-          "gamma", "values", "lam")  # fmt: skip
+          "gamma", "values", "lam", "vstar", "ref_log_ratio", "beta", "policy_value")  # fmt: skip
 """Every input name an estimator may read (what the trainer can supply):
 
 ``rewards[B]`` outcome rewards; ``index[B]`` group ids; ``anchor[B]`` PVPO's static anchor of
@@ -33,7 +34,10 @@ each response's prompt; ``baseline[B]`` V0.5's fused baseline of each response's
 ``token_rewards[B, T]`` per-token rewards with the outcome on the last policy token (and the
 KL penalty when it is in the reward); ``dense_rewards[B, T]`` the per-token rewards besides
 the outcome; ``mask[B, T]``; ``gamma`` the discount; ``values[B, T]`` a critic's V(s_t);
-``lam`` GAE's lambda, a float or ``[B]``."""
+``lam`` GAE's lambda, a float or ``[B]``; ``vstar[B]`` A*-PO's optimal value of each
+response's prompt; ``ref_log_ratio[B]`` the sampling policy's sequence log-ratio to the
+reference, ``sum_t (log pi_old - log pi_ref)``; ``beta`` A*-PO's beta2; ``policy_value[B]`` the
+perfect baseline, each prompt's expected reward under the current policy."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,39 @@ def v05(rewards: Tensor, baseline: Tensor) -> Tensor:
     return pvpo(rewards, baseline)
 
 
+def optimal_value(rewards: Tensor, beta: float) -> Tensor:
+    """A*-PO's optimal value ``V*(x) = beta * log(mean_j exp(r_j / beta))`` of each row of
+    ``rewards[..., N]`` (``N`` reference rewards of one prompt) -> ``[...]``.
+
+    It is the value of the KL-regularised optimum ``pi* ~ pi_ref exp(r / beta)`` estimated
+    from reference samples: the mean reward as ``beta -> inf``, the best reward as
+    ``beta -> 0``, in between for any ``beta > 0`` (computed with logsumexp, stable for
+    small ``beta``).
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    n = rewards.shape[-1]
+    if n == 0:
+        raise ValueError("optimal_value needs at least one reward per prompt")
+    x = rewards.double() / beta
+    return (beta * (torch.logsumexp(x, dim=-1) - math.log(n))).to(rewards.dtype)
+
+
+def optimal_value_binary(p: Tensor, beta: float) -> Tensor:
+    """:func:`optimal_value` of rewards in {0, 1} from the fraction ``p[...]`` of ones:
+    ``beta * log(1 - p + p exp(1 / beta))`` (what N rewards with a fraction ``p`` of ones give,
+    exactly; no per-draw rewards needed)."""
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    p = p.double()
+    if bool(((p < 0) | (p > 1)).any()):
+        raise ValueError("p must lie in [0, 1]")
+    # log(1 - p + p e^(1/b)) = 1/b + log(p + (1 - p) e^(-1/b)); p = 0 gives 0 exactly
+    inner = p + (1 - p) * math.exp(-1.0 / beta)
+    out = torch.where(p > 0, 1.0 + beta * torch.log(inner.clamp(min=1e-300)), torch.zeros_like(p))
+    return out
+
+
 def outcome_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     """Place each outcome reward on its response's last policy token: ``[B] -> [B, T]``.
 
@@ -265,3 +302,31 @@ def gae_advantage(
     """GAE advantages ``[B, T]`` on a critic's ``values[B, T]`` (PPO, VAPO); ``lam`` a float or
     ``[B]`` (VAPO's length-adaptive lambda). See :func:`anchor_rl.algos.gae.gae`."""
     return gae(token_rewards, values, mask, gamma, lam)[0]
+
+
+@register_advantage("astarpo", inputs=("rewards", "vstar", "ref_log_ratio", "beta"))
+def astarpo(rewards: Tensor, vstar: Tensor, ref_log_ratio: Tensor, beta: float) -> Tensor:
+    """A*-PO's regression target ``[B]`` relative to the sampling policy.
+
+    ``A_i = r_i - V*(x_i) - beta * ref_log_ratio_i``: the optimal advantage estimate minus the
+    implicit reward ``beta * log(pi_old / pi_ref)`` the sampling policy already has.
+    The ``astarpo`` policy loss regresses ``beta * sum_t (log pi - log pi_old)`` on it, which
+    is the paper's ``(beta * log(pi / pi_ref) - (r - V*))^2`` exactly
+    (:func:`anchor_rl.algos.losses.astarpo_loss`).
+    """
+    if rewards.dim() != 1 or vstar.shape != rewards.shape or ref_log_ratio.shape != rewards.shape:
+        raise ValueError(
+            "rewards, vstar and ref_log_ratio must all be 1-D [B] of the same shape, got "
+            f"{tuple(rewards.shape)}, {tuple(vstar.shape)} and {tuple(ref_log_ratio.shape)}"
+        )
+    return rewards - vstar.to(rewards.dtype) - beta * ref_log_ratio.to(rewards.dtype)
+
+
+@register_advantage("perfect", inputs=("rewards", "policy_value"))
+def perfect(rewards: Tensor, policy_value: Tensor) -> Tensor:
+    """The perfect baseline's advantage ``[B]``: ``A_i = r_i - V^pi(prompt_i)``, no std.
+
+    ``policy_value[B]`` holds, for each response, its prompt's expected reward under the
+    current policy (estimated each step from many extra samples; a bound, not a method).
+    """
+    return pvpo(rewards, policy_value)

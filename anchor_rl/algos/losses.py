@@ -212,6 +212,68 @@ def policy_loss(
     return loss, metrics
 
 
+@register_policy_loss("astarpo")
+def astarpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    agg: str = "seq-mean-token-sum",
+    norm_const: float | None = None,
+    beta: float = 1e-3,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A*-PO's least-squares regression (arXiv 2505.20686), one value per response.
+
+    With ``D_i = sum_t m (logp - old_logp)`` (the sequence log-ratio to the sampling policy)
+    and ``A_i`` the ``astarpo`` estimator's target (``r_i - V*(x_i) - beta * sum_t m (log
+    pi_old - log pi_ref)``, read off the response's policy tokens)::
+
+        loss = mean_i (beta * D_i - A_i)^2
+             = mean_i (beta * log(pi(y_i|x_i) / pi_ref(y_i|x_i)) - (r_i - V*(x_i)))^2
+
+    averaged over the responses with at least one policy token. No ratio clipping: the
+    regression keeps the policy near the reference through ``beta``; ``clip_*``, ``agg``
+    and ``norm_const`` are accepted and ignored (the trainer weighs micro-batches by their
+    responses, so ``loss.agg`` must be a sequence mean).
+
+    Args:
+        logp, old_logp, mask: ``[B, T]``; advantages: ``[B]`` or ``[B, T]`` (the target on
+            every policy token of its response).
+        beta: A*-PO's beta2 (> 0).
+
+    Returns ``(loss, metrics)``: ``regression_mse`` (the loss), ``log_ratio_mean`` (mean of
+    ``D_i``, detached) and ``target_mean`` (mean ``A_i``).
+    """
+    check_bt(mask, logp=logp, old_logp=old_logp)
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    tokens = mask.sum(-1)
+    if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
+        target = advantages
+    elif advantages.shape == mask.shape:
+        target = _masked(advantages, mask).sum(-1) / tokens.clamp(min=1)
+    else:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] with [B, T] = {tuple(mask.shape)}, got {tuple(advantages.shape)}"
+        )
+    target = target.detach().to(logp.dtype)
+    log_ratio = _masked(logp - old_logp.detach(), mask).sum(-1)
+    present = (tokens > 0).to(logp.dtype)
+    err = (beta * log_ratio - target).square()
+    loss = (err * present).sum() / present.sum().clamp(min=1)
+    with torch.no_grad():
+        count = present.sum().clamp(min=1)
+        metrics = {
+            "regression_mse": loss.detach(),
+            "log_ratio_mean": (log_ratio * present).sum() / count,
+            "target_mean": (target * present).sum() / count,
+        }
+    return loss, metrics
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,

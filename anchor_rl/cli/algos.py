@@ -16,6 +16,7 @@ RESPONSES = 4
 TOKENS = 10
 VOCAB = 16
 KL_COEF = 0.01
+ASTARPO_BETA = 1e-3  # A*-PO's beta2 (the paper's)
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 VALUE_CLIP = 0.2
 GAE_LAMBDA = 0.95
@@ -79,6 +80,10 @@ def _run_all(batch: dict[str, Any]) -> dict[str, Any]:
         "dense_rewards": -KL_COEF * kl_k1,
         "mask": mask,
         "gamma": 1.0,
+        "vstar": batch["anchor"].repeat_interleave(RESPONSES),  # A*-PO: V* stands in
+        "ref_log_ratio": ((batch["old_logp"] - batch["ref_logp"]) * mask).sum(-1),
+        "beta": ASTARPO_BETA,
+        "policy_value": batch["anchor"].repeat_interleave(RESPONSES),  # perfect baseline
     }
     lengths = mask.sum(-1)
 

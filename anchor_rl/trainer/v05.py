@@ -42,6 +42,7 @@ from anchor_rl.trainer.collect import (
 )
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.perfect import UNCOUNTED, PerfectPrior, policy_values
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors, write_presample_report
 from anchor_rl.trainer.timing import Timer
 
@@ -188,7 +189,11 @@ class V05(Component):
                     write_presample_report(setup.run_dir, cfg, anchor_set, self.records, None)
                 self.anchors = anchor_set.means()
                 self.presample_rollouts = anchor_set.rollouts
-        self.prior = build_prior(cfg.v05, self.anchors)
+        self.uncounted = 0  # v05.prior = "perfect": its extra samples (rollouts/uncounted)
+        perfect = cfg.v05.prior == "perfect"
+        self.prior = (
+            PerfectPrior(cfg.v05.reward_range) if perfect else build_prior(cfg.v05, self.anchors)
+        )
 
     def training_records(self, records: list[Record]) -> list[Record]:
         return self.records
@@ -208,6 +213,11 @@ class V05(Component):
         vc, g = cfg.v05, len(scored.records)
         emb = embed_groups(self.policy, scored.batch, g) if uses_embeddings(vc) else None
         ids = [r.id for r in scored.records]
+        if isinstance(self.prior, PerfectPrior):  # this step's estimate, uncounted samples
+            values, extra = policy_values(self.engine, self.task, cfg, scored, cfg.perfect.samples)
+            self.prior.set(ids, values)
+            self.uncounted += cfg.perfect.samples * g
+            step.metrics |= extra
         v05 = V05Step.begin(self.prior, vc, ids, scored.rewards, scored.batch.group, emb)
         added: list[Scored] = []
         if cfg.rollout.budget == "adaptive":
@@ -225,12 +235,14 @@ class V05(Component):
         return {"baseline": self.fused[step.scored.batch.group]}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prior": self.prior.state_dict()}
+        return {"prior": self.prior.state_dict(), "uncounted": self.uncounted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prior.load_state_dict(state["prior"])
+        self.uncounted = int(state.get("uncounted", 0))
 
     def counters(self) -> dict[str, float]:
-        if self.presample_rollouts is None:
-            return {}
-        return {"rollouts/presample": float(self.presample_rollouts)}
+        out = {UNCOUNTED: float(self.uncounted)} if isinstance(self.prior, PerfectPrior) else {}
+        if self.presample_rollouts is not None:
+            out["rollouts/presample"] = float(self.presample_rollouts)
+        return out

@@ -19,11 +19,13 @@ def test_names():
         "reinforce_pp",
         "reinforce_pp_baseline",
         "gae",
+        "astarpo",
+        "perfect",
     ]
     token_level = {n for n, e in registry.ESTIMATORS.items() if e.token_level}
     assert token_level == {"reinforce_pp", "reinforce_pp_baseline", "gae"}
     assert all(set(e.inputs) <= set(registry.INPUTS) for e in registry.ESTIMATORS.values())
-    assert list(registry.POLICY_LOSSES) == ["ppo"]
+    assert list(registry.POLICY_LOSSES) == ["ppo", "astarpo"]
     assert (
         registry.AGG_MODES
         == losses.AGG_MODES
@@ -58,6 +60,10 @@ def test_compute_advantage_matches_direct_calls():
         "gamma": 1.0,
         "values": torch.zeros_like(mask),
         "lam": 1.0,
+        "vstar": torch.tensor([0.5, 0.5, 0.25, 0.25], dtype=F64),
+        "ref_log_ratio": torch.tensor([2.0, -1.0, 0.0, 4.0], dtype=F64),
+        "beta": 0.5,
+        "policy_value": torch.tensor([0.5, 0.5, 0.25, 0.25], dtype=F64),
     }
     expected = {
         "grpo": A.grpo(rewards, index),
@@ -69,6 +75,9 @@ def test_compute_advantage_matches_direct_calls():
         "reinforce_pp_baseline": A.reinforce_pp_baseline(rewards, index, mask),
         # zero values, lambda 1: GAE's advantages are the reward-to-go on every policy token
         "gae": rewards[:, None] * mask,
+        # r - V* - beta * ref_log_ratio
+        "astarpo": torch.tensor([-0.5, 0.0, 0.75, -1.25], dtype=F64),
+        "perfect": torch.tensor([0.5, -0.5, 0.75, 0.75], dtype=F64),
     }
     for name, estimator in registry.ESTIMATORS.items():
         got = registry.compute_advantage(name, **inputs)
