@@ -5,8 +5,8 @@ Usage: ``python scripts/compact_results.py SUITE_DIR DEST_DIR``
 Keeps the suite's own result files (summaries, the probe's and the simulator's) and, per run, ``config.json``, ``summary.json``, PVPO's
 ``pvpo.json`` and ``pvpo_filter.json`` (the anchor key the amortised cost groups by), the
 metrics every figure and curve of the report reads (the other per-step keys dropped, floats
-to 6 significant digits) and the per-prompt held-out results of the first and last
-evaluation (what the paired table compares; packed, ``read_evals`` unpacks them), both
+to 6 significant digits) and the per-prompt held-out results of every evaluation (what the
+paired table and the comparisons at equal budget read; packed, ``read_evals`` unpacks them), both
 gzipped (``metrics.jsonl.gz``, ``evals.jsonl.gz``: a run's per-step lines repeat their keys
 and shrink about six-fold; every reader of a run directory takes either form).
 Training-prompt per-prompt results and checkpoints are left out. A suite of another shape
@@ -23,10 +23,11 @@ from pathlib import Path
 
 from anchor_rl.trainer.logging import pack_counts
 
-KEPT_PREFIXES = ("eval/",)
+KEPT_PREFIXES = ("eval/", "budget/")
 KEPT_KEYS = {
     "step", "reward/mean", "rollouts/cumulative", "rollouts/total", "rollouts/presample",
     "tokens/cumulative", "time/elapsed", "time/generate", "time/score", "time/update",
+    "rollouts/step", "tokens/step", "tokens/scored", "tokens/updated", "time/sync",
     "advantage/std", "policy/entropy", "kl/ref", "v05/weight_zero_frac", "pvpo/teacher_logp",
 }  # fmt: skip
 SUITE_FILES = (
@@ -57,10 +58,12 @@ def _short(value):
 
 
 def compact_evals(path: Path) -> str:
-    """The first and last evaluation of an evals.jsonl, held-out split only, the per-prompt
-    counts packed (``read_evals`` unpacks them)."""
+    """Every evaluation of an evals.jsonl (the last line of each step: a resumed run rewrites
+    later ones), held-out split only, the per-prompt counts packed (``read_evals`` unpacks
+    them): the paired table reads the first and last, the comparisons at equal budget every
+    one (anchor_rl.bench.budget)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    ends = records[:1] + records[-1:] if len(records) > 1 else records
+    ends = list({r["step"]: r for r in records}.values())
     return "".join(
         json.dumps({"step": r["step"], "test": pack_counts(r["test"])}, separators=(",", ":"))
         + "\n"

@@ -48,11 +48,39 @@ def mean_curve(
     return xs, ys, lows, highs
 
 
+def grid_curve(
+    curves: Sequence[Sequence[tuple[float, float]]], points: int = 50
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Like :func:`mean_curve` for seeds evaluated at different x (runs to a budget): each
+    seed's curve interpolated linearly on ``points`` x values from the latest first x to the
+    earliest last x of the seeds (the range every seed covers), then the pointwise mean and
+    interval."""
+    import numpy as np
+
+    lo, hi = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+    if hi <= lo:
+        return mean_curve(curves)
+    xs = np.linspace(lo, hi, points)
+    ys = [np.interp(xs, [p[0] for p in c], [p[1] for p in c]) for c in curves]
+    means, lows, highs = [], [], []
+    for i in range(points):
+        iv = t_interval([float(y[i]) for y in ys])
+        means.append(iv.mean)
+        lows.append(iv.mean if iv.low is None else iv.low)
+        highs.append(iv.mean if iv.high is None else iv.high)
+    return [float(x) for x in xs], means, lows, highs
+
+
 def plot_suite(
-    runs: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], out: Path, title: str
+    runs: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
+    out: Path,
+    title: str,
+    budget: float | None = None,
 ) -> list[Path]:
     """One PNG per x axis in ``AXES`` and metric in ``METRICS`` that some run logged; ``runs``
-    maps a label to its seeds' metric records."""
+    maps a label to its seeds' metric records. With a common rollout ``budget`` the seeds'
+    curves are averaged on a grid (:func:`grid_curve`) and the budget is drawn on the
+    rollouts axis."""
     paths = []
     for y, (ylabel, prefix) in METRICS.items():
         for x, (xlabel, filename) in AXES.items():
@@ -61,7 +89,9 @@ def plot_suite(
                 for label, seeds in runs.items()
             }
             path = Path(out) / f"{prefix}{filename}"
-            if plot_curves(series, xlabel, ylabel, title, path):
+            line = budget if x == "rollouts/total" else None
+            grid = budget is not None and x != "step"
+            if plot_curves(series, xlabel, ylabel, title, path, vline=line, grid=grid):
                 paths.append(path)
     return paths
 
@@ -72,9 +102,13 @@ def plot_curves(
     ylabel: str,
     title: str,
     path: Path,
+    vline: float | None = None,
+    grid: bool = False,
 ) -> bool:
-    """One line per label (pointwise mean over seeds, a 95% band when there are several);
-    returns False (and writes nothing) when no label has a point."""
+    """One line per label (pointwise mean over seeds, a 95% band when there are several;
+    ``grid``: seeds averaged on a common x grid, :func:`grid_curve`), a dashed vertical line
+    at ``vline`` (a common budget); returns False (and writes nothing) when no label has a
+    point."""
     from matplotlib.figure import Figure
 
     series = {k: [c for c in v if c] for k, v in series.items()}
@@ -84,10 +118,13 @@ def plot_curves(
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.subplots()
     for label, curves in series.items():
-        xs, ys, lows, highs = mean_curve(curves)
-        (line,) = ax.plot(xs, ys, marker="o", markersize=2, label=f"{label} (n={len(curves)})")
+        xs, ys, lows, highs = grid_curve(curves) if grid else mean_curve(curves)
+        marker = None if grid else "o"  # a grid's points are not evaluations
+        (line,) = ax.plot(xs, ys, marker=marker, markersize=2, label=f"{label} (n={len(curves)})")
         if len(curves) > 1:
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+    if vline is not None:
+        ax.axvline(vline, color="0.4", linestyle="--", linewidth=1, label="common budget")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -148,18 +148,28 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
         ):
             path = out / f"{prefix}{stem}{suffix}.png"
             series = {m.name: [_metric_curve(r, x, y) for r in m.records] for m in methods}
-            if plot_curves(series, xlabel, ylabel, f"{suite} ({task})", path):
+            budget = results.budgets.get(suite)
+            line = budget["rollouts"] if budget and x == "rollouts/total" else None
+            if plot_curves(
+                series, xlabel, ylabel, f"{suite} ({task})", path, vline=line, grid=bool(budget)
+            ):
                 blocks.append(("img", (path.name, f"{suite}: {ylabel} against {xlabel}")))
-        blocks.append(("table", _methods_table(methods)))
-        if paired_rows := _paired_table(methods):
+        comparisons = _comparisons(methods)
+        accuracy = comparisons["accuracy"] if comparisons else {}
+        blocks.append(("table", _methods_table(methods, accuracy)))
+        if paired_rows := _paired_table(methods, comparisons):
             blocks.append(
                 (
                     "p",
-                    "Paired over held-out prompts: per prompt the mean over seeds; mean "
-                    "[95% percentile bootstrap over prompts, 10,000 resamples].",
+                    "Over held-out prompts: mean [95% percentile interval of a two-level "
+                    "bootstrap, runs (seeds) resampled within each method, then prompts; 10,000 "
+                    "resamples]. The last column resamples prompts only (per prompt the mean "
+                    "over seeds), blind to the spread between runs.",
                 )
             )
             blocks.append(("table", paired_rows))
+        if suite in results.budgets:
+            blocks += _budget_blocks(methods, results.budgets[suite])
     blocks.append(
         (
             "p",
@@ -170,30 +180,75 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
     return blocks
 
 
-def _paired_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]]] | None:
-    """The suite's gains over the reference and differences to its first label, paired over
-    held-out prompts (from the runs' ``evals.jsonl``); None when no run has them."""
-    from anchor_rl.bench.summary import format_bootstrap, paired, prompt_pairs
+def _comparisons(methods: Sequence[Method]) -> dict[str, Any] | None:
+    """:func:`~anchor_rl.bench.summary.paired` over the suite's runs with per-prompt results
+    (their ``evals.jsonl``), against its first label; None when no run has them."""
+    from anchor_rl.bench.summary import paired, prompt_pairs
 
     per_prompt = prompt_pairs((m.label, d) for m in methods for d in m.run_dirs)
     if not per_prompt:
         return None
-    comparisons = paired(per_prompt, next(iter(per_prompt)))
+    seeds = {m.label: list(m.seeds) for m in methods if len(m.seeds) == len(m.run_dirs)}
+    return paired(per_prompt, next(iter(per_prompt)), seeds)
+
+
+def _paired_table(
+    methods: Sequence[Method], comparisons: Mapping[str, Any] | None = None
+) -> tuple[list[str], list[list[str]]] | None:
+    """The suite's final held-out accuracy, gains over the reference and differences to its
+    first label over held-out prompts, two-level intervals (:func:`_comparisons`, computed
+    when not given); None when no run has per-prompt results."""
+    from anchor_rl.bench.summary import format_bootstrap
+
+    comparisons = comparisons or _comparisons(methods)
+    if comparisons is None:
+        return None
     baseline = comparisons["baseline"]
 
-    rows = [
-        [
-            label,
-            str(gain["prompts"]),
-            format_bootstrap(gain),
-            format_bootstrap(comparisons["vs_baseline"].get(label)),
-        ]
-        for label, gain in comparisons["gain"].items()
+    rows = []
+    for label, gain in comparisons["gain"].items():
+        vs = comparisons["vs_baseline"].get(label)
+        rows.append(
+            [
+                label,
+                str(gain["runs"]),
+                str(gain["prompts"]),
+                format_bootstrap(comparisons["accuracy"][label], signed=False),
+                format_bootstrap(gain),
+                format_bootstrap(vs),
+                format_bootstrap(None if vs is None else vs["prompt_only"]),
+            ]
+        )
+    header = ["run", "runs", "prompts", "held-out (final)", "gain over the reference",
+              f"vs `{baseline}` (final)", "vs baseline, prompt-only"]  # fmt: skip
+    return header, rows
+
+
+def _budget_blocks(methods: Sequence[Method], budget: Mapping[str, Any]) -> list[Block]:
+    """A budgeted suite's comparisons at equal rollouts, wall and modelled seconds, from its
+    runs' raw results (:func:`~anchor_rl.bench.budget.suite_comparison`)."""
+    from anchor_rl.bench.budget import suite_comparison
+    from anchor_rl.trainer.logging import read_evals
+
+    runs = [
+        {"label": m.label, "seed": seed, "records": records, "evals": read_evals(run_dir)}
+        for m in methods
+        for seed, records, run_dir in zip(m.seeds, m.records, m.run_dirs, strict=False)
     ]
-    return ["run", "prompts", "gain over the reference", f"vs `{baseline}` (final)"], rows
+    baseline = methods[0].label if methods else None
+    _, blocks = suite_comparison(runs, budget, baseline)
+    return [("p", "**At equal budget.**"), *blocks]
 
 
-def _methods_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]]]:
+def _methods_table(
+    methods: Sequence[Method], accuracy: Mapping[str, Any] | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """One row per method: accuracy before and after, rollouts, wall time (mean ± 95% t over
+    seeds); the held-out accuracy after training as mean [two-level interval] where
+    ``accuracy`` (label -> :func:`~anchor_rl.bench.summary.bootstrap_dict`) holds it."""
+    from anchor_rl.bench.summary import format_bootstrap
+
+    accuracy = accuracy or {}
     train = any("train_final" in m.figures for m in methods)
     keys = ("eval_start", "eval_final", *(("train_start", "train_final") if train else ()))
     keys += ("rollouts", "wall_s")
@@ -203,9 +258,13 @@ def _methods_table(methods: Sequence[Method]) -> tuple[list[str], list[list[str]
         for key in keys:
             f = m.figures.get(key)
             digits = 0 if key == "rollouts" else 1 if key == "wall_s" else 3
-            cells.append(figure_cell(f, digits))
+            if key == "eval_final" and m.label in accuracy:
+                cells.append(format_bootstrap(accuracy[m.label], signed=False))
+            else:
+                cells.append(figure_cell(f, digits))
         rows.append([m.name, m.suite, str(len(m.seeds)), *cells])
-    header = ["run", "suite", "seeds", "held-out before", "held-out after"]
+    after = "held-out after [two-level]" if accuracy else "held-out after"
+    header = ["run", "suite", "seeds", "held-out before", after]
     if train:
         header += ["training prompts before", "training prompts after"]
     header += ["rollouts", "wall s"]

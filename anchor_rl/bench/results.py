@@ -42,6 +42,9 @@ class Results:
     throughput: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     quickstart: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
     sources: list[Path] = field(default_factory=list)
+    budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Suite (as its methods name it) -> its common budget, ``{"rollouts", "mode",
+    "to_budget"}``, for suites run with one (``budget`` in the suite file)."""
 
 
 def load_results(paths: Sequence[Path]) -> Results:
@@ -70,6 +73,9 @@ def load_results(paths: Sequence[Path]) -> Results:
             if suite_roots.setdefault(suite, file.parent) != file.parent:
                 suite = f"{suite} ({file.parent.name})"
             results.methods += _suite_methods(file.parent, {**payload, "suite": suite})
+            if budget := payload.get("budget"):
+                keys = ("rollouts", "mode", "to_budget")
+                results.budgets[suite] = {k: budget[k] for k in keys}
             suite_dirs.add(file.parent.resolve())
         elif file.name == "baseline_mse.json":
             results.mse.append((file.parent, payload))

@@ -28,13 +28,25 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     target_metric = "eval/train_accuracy"  # optional: the metric it applies to (default eval/accuracy)
     baseline = "grpo"                   # optional: the run label the paired table compares to
                                         #   (default: the first label)
+    budget = "max"                      # optional: the common rollout budget, "max" or a number
+    to_budget = ["grpo+n2"]             #   and the cells run to it (budget.rollouts) instead
+                                        #   of to their steps
 
 Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
 ``per_preset`` last), the variant, the profile's settings for that variant, ``seed``, the
 command line (``--steps``, ``key=value``). A run that reads PVPO's anchors and sets no
 ``pvpo.presample_seed`` draws them with its own ``seed``, so a suite's spread over seeds
 includes the anchors' sampling noise (a training run's default anchor seed is 0, shared by
-every seed). Every run's config is validated before the first run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
+every seed).
+
+With ``budget`` and ``to_budget``, the cells in ``to_budget`` run to a common budget of
+total rollouts (``budget.rollouts``, :mod:`anchor_rl.trainer.budget`) rather than to their
+steps: a number, or ``"max"``, the largest ``rollouts/total`` any other run of the suite
+ended with (those run first). Their ``steps`` becomes a cap, raised to what the budget needs
+(every step spends at least ``prompts_per_step x n`` rollouts). The summary then compares
+every label at fractions of the budget and by the area under its held-out curve
+(:mod:`anchor_rl.bench.budget`), against rollouts, wall seconds and modelled seconds
+(:mod:`anchor_rl.bench.costs`). Every run's config is validated before the first run starts. Finished runs (``summary.json`` present) are skipped and stopped ones resume
 from their checkpoint, so re-running a suite command continues it.
 """
 
@@ -75,6 +87,11 @@ class Suite:
     baseline: str | None = None
     """The run label the paired comparisons over held-out prompts compare every other label
     to (None: the first label)."""
+    budget: int | str | None = None
+    """The common rollout budget: a number of total rollouts, or ``"max"``, the largest total
+    of the runs not in ``to_budget`` (None: no budget; every cell runs its steps)."""
+    to_budget: list[str] = field(default_factory=list)
+    """Labels of the cells run to ``budget`` (``budget.rollouts``) instead of their steps."""
 
 
 SUITE_KEYS = {f.name for f in fields(Suite)} - {"name"}
@@ -114,6 +131,8 @@ class RunSpec:
     seed: int
     config: TrainConfig
     run_dir: Path
+    to_budget: bool = False
+    """Whether the cell runs to the suite's common budget (``budget.rollouts``)."""
 
 
 def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
@@ -131,6 +150,7 @@ def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
     per_preset += [p.get("per_preset", {}) for p in table.get("profiles", {}).values()]
     if unused := sorted({k for layer in per_preset for k in layer} - set(table["presets"])):
         raise ConfigError(f"suite {name!r}: per_preset names {unused}, not among its presets")
+    check_budget(name, table.get("budget"), table.get("to_budget", []))
     return Suite(
         name=name,
         description=table.get("description", ""),
@@ -144,7 +164,41 @@ def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
         target_accuracy=table.get("target_accuracy"),
         target_metric=table.get("target_metric", "eval/accuracy"),
         baseline=table.get("baseline"),
+        budget=table.get("budget"),
+        to_budget=list(table.get("to_budget", [])),
     )
+
+
+def check_budget(name: str, budget: Any, to_budget: Sequence[str]) -> None:
+    """ConfigError unless ``budget`` is None, ``"max"`` or a positive whole number, and
+    ``to_budget`` names cells exactly when there is a budget."""
+    ok = budget is None or budget == "max" or (type(budget) is int and budget > 0)
+    if not ok:
+        raise ConfigError(
+            f'suite {name!r}: budget must be "max" or a positive number of rollouts, got {budget!r}'
+        )
+    if budget is not None and not to_budget:
+        raise ConfigError(f"suite {name!r}: budget is set but to_budget names no cell to run to it")
+    if budget is None and to_budget:
+        raise ConfigError(f'suite {name!r}: to_budget {list(to_budget)} needs budget ("max" or N)')
+
+
+def budget_options(suite: Suite, budget: str | None, to_budget: str | None) -> Suite:
+    """``suite`` with the command line's ``--budget`` (``max`` or a number) and
+    ``--to-budget`` (comma-separated labels) in place of its own, checked."""
+    import dataclasses
+
+    value: int | str | None = suite.budget
+    if budget is not None:
+        try:
+            value = budget if budget == "max" else int(budget)
+        except ValueError:
+            raise ConfigError(f"--budget must be max or a number, got {budget!r}") from None
+    labels = suite.to_budget
+    if to_budget is not None:
+        labels = [x.strip() for x in to_budget.split(",") if x.strip()]
+    check_budget(suite.name, value, labels)
+    return dataclasses.replace(suite, budget=value, to_budget=labels)
 
 
 def plan(
@@ -176,6 +230,13 @@ def plan(
     labels = [f"{p}+{v}" if v else p for p in suite.presets for v in variants]
     if missing := [r for r in suite.runs if r not in labels]:
         raise ConfigError(f"suite {suite.name!r}: runs {missing} are not among {labels}")
+    chosen_labels = suite.runs or [x for x in labels if "+" in x or not suite.variants]
+    if missing := [r for r in suite.to_budget if r not in chosen_labels]:
+        raise ConfigError(f"suite {suite.name!r}: to_budget {missing} are not among its runs "
+                          f"{chosen_labels}")  # fmt: skip
+    if suite.budget == "max" and not set(chosen_labels) - set(suite.to_budget):
+        raise ConfigError(f"suite {suite.name!r}: budget = \"max\" needs a run not in to_budget "
+                          "to take the budget from")  # fmt: skip
     specs = []
     for preset in suite.presets:
         for variant, settings in variants.items():
@@ -201,7 +262,12 @@ def plan(
                     raise ConfigError(
                         f"suite {suite.name!r}, run {label} seed {seed}: {e}"
                     ) from None
-                specs.append(RunSpec(label, seed, cfg, Path(out) / label / f"seed{seed}"))
+                run_dir = Path(out) / label / f"seed{seed}"
+                spec = RunSpec(label, seed, cfg, run_dir, to_budget=label in suite.to_budget)
+                if spec.to_budget:  # validated with the budget; "max": a stand-in until known
+                    number = suite.budget if isinstance(suite.budget, int) else 1
+                    spec = with_budget(spec, number, f"suite {suite.name!r}, run {label}")
+                specs.append(spec)
     _check_tasks(specs)
     return specs
 
@@ -242,10 +308,11 @@ def run_spec(spec: RunSpec) -> None:
     finished = (spec.run_dir / SUMMARY_FILE).is_file()
     if stored.is_file() and (finished or list_checkpoints(spec.run_dir)):
         _check_same_run(spec, json.loads(stored.read_text()))
-        if finished and _stored_steps(spec) == spec.config.steps:
+        if finished and _finished_as_asked(spec):
             return  # finished: kept even when its checkpoints were pruned (compact results)
         if list_checkpoints(spec.run_dir):
-            train(resume_run(spec.run_dir, {"steps": spec.config.steps}))
+            budget = {"budget.rollouts": spec.config.budget.rollouts}
+            train(resume_run(spec.run_dir, {"steps": spec.config.steps, **budget}))
             return
         raise ConfigError(
             f"{spec.run_dir} holds a finished run of {_stored_steps(spec)} steps without a "
@@ -273,6 +340,25 @@ def _check_same_run(spec: RunSpec, stored: dict[str, Any]) -> None:
         )
 
 
+def _finished_as_asked(spec: RunSpec) -> bool:
+    """Whether the finished run in ``spec.run_dir`` ran what ``spec`` asks: its steps, or its
+    budget (a run that reached the same ``budget.rollouts``). ConfigError for a run that
+    reached another budget: resuming it would not evaluate at the new budget's fractions."""
+    from anchor_rl.trainer.run import SUMMARY_FILE
+
+    summary = json.loads((spec.run_dir / SUMMARY_FILE).read_text())
+    wanted = spec.config.budget.rollouts
+    if summary.get("stop") == "budget":
+        if summary.get("budget_rollouts") != wanted:
+            raise ConfigError(
+                f"{spec.run_dir} holds a run to a budget of {summary.get('budget_rollouts')} "
+                f"rollouts; the suite now asks {wanted}: delete the to_budget runs' directories "
+                "or pass another --out"
+            )
+        return True
+    return summary["steps"] == spec.config.steps
+
+
 def _stored_steps(spec: RunSpec) -> int:
     from anchor_rl.trainer.run import SUMMARY_FILE
 
@@ -290,12 +376,56 @@ def run_suite(
     out, seeds, steps, overrides, profile, echo = args.unpack()
     specs = plan(suite, out, seeds, steps, overrides, profile)
     Path(out).mkdir(parents=True, exist_ok=True)
-    for i, spec in enumerate(specs, 1):
-        echo(f"[{i}/{len(specs)}] {spec.label} seed {spec.seed} -> {spec.run_dir}")
+    # the cells run to their steps first: a budget of "max" is read from them
+    order = [i for i, s in enumerate(specs) if not s.to_budget]
+    order += [i for i, s in enumerate(specs) if s.to_budget]
+    budget = suite.budget if isinstance(suite.budget, int) else None
+    for n, i in enumerate(order, 1):
+        spec = specs[i]
+        if spec.to_budget:
+            if budget is None:
+                budget = max_rollouts([s for s in specs if not s.to_budget])
+                echo(f"common budget: {budget:,} rollouts (the most any other run spent)")
+            spec = specs[i] = with_budget(spec, budget, f"suite {suite.name!r}, run {spec.label}")
+        echo(f"[{n}/{len(specs)}] {spec.label} seed {spec.seed} -> {spec.run_dir}")
         run_spec(spec)
     return report(
-        suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric, suite.baseline
+        suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric, suite.baseline,
+        budget=None if suite.budget is None else {"rollouts": budget, "mode": suite.budget,
+                                                  "to_budget": list(suite.to_budget)},
+    )  # fmt: skip
+
+
+def with_budget(spec: RunSpec, rollouts: int, where: str) -> RunSpec:
+    """``spec`` run to ``rollouts`` total rollouts: ``budget.rollouts`` set and ``steps``, the
+    cap, raised to ``ceil(rollouts / (prompts_per_step x n))`` (every step spends at least
+    that many), so the budget, not the cap, ends the run."""
+    import math
+
+    cfg = spec.config
+    need = math.ceil(rollouts / (cfg.rollout.prompts_per_step * cfg.rollout.n))
+    table = apply_overrides(
+        cfg.model_dump(mode="json"), {"budget.rollouts": rollouts, "steps": max(cfg.steps, need)}
     )
+    try:
+        config = build_config(table)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return RunSpec(spec.label, spec.seed, config, spec.run_dir, to_budget=True)
+
+
+def max_rollouts(specs: Sequence[RunSpec]) -> int:
+    """The largest final ``rollouts/total`` of the finished runs of ``specs``."""
+    from anchor_rl.trainer.logging import read_metrics
+
+    totals = [
+        r.get("rollouts/total", r.get("rollouts/cumulative", 0.0))
+        for spec in specs
+        for r in read_metrics(spec.run_dir)[-1:]
+    ]
+    if not totals:
+        raise ConfigError('budget = "max": no finished run to take the budget from')
+    return int(max(totals))
 
 
 def report(
@@ -305,10 +435,13 @@ def report(
     target: float | None = None,
     metric: str = "eval/accuracy",
     baseline: str | None = None,
+    budget: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
-    value of ``metric`` the runs are timed to, where they reach it and stay; ``baseline``: the label the paired
-    comparisons over held-out prompts compare to, default the first)."""
+    value of ``metric`` the runs are timed to, where they reach it and stay; ``baseline``:
+    the label the comparisons over held-out prompts compare to, default the first;
+    ``budget``: the suite's common budget, ``{"rollouts", "mode", "to_budget"}``, for the
+    comparisons at equal budget, :func:`~anchor_rl.bench.budget.suite_comparison`)."""
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import (
         amortise,
@@ -334,21 +467,37 @@ def report(
     ]
     amortise(runs)
     per_prompt: dict[str, list] = {}
+    seeds: dict[str, list[int]] = {}
+    evals = {spec.run_dir: read_evals(spec.run_dir) for spec in specs}
     for run, spec in zip(runs, specs, strict=True):
-        pair = prompt_accuracy(read_evals(spec.run_dir))
+        pair = prompt_accuracy(evals[spec.run_dir])
         per_prompt.setdefault(spec.label, []).extend([pair] if pair else [])
+        seeds.setdefault(spec.label, []).extend([spec.seed] if pair else [])
         if pair:
             run["figures"] |= class_accuracy(*pair)
     groups = summarise(runs)
     labels = list(per_prompt)
     if baseline is not None and baseline not in labels:
         raise ConfigError(f"suite {name!r}: baseline {baseline!r} is not among its runs {labels}")
-    comparisons = paired(per_prompt, baseline or labels[0])
-    json_path, md_path = write_summary(out, name, runs, groups, comparisons)
+    comparisons = paired(per_prompt, baseline or labels[0], seeds)
+    extra, extra_md = None, ""
+    if budget is not None:
+        from anchor_rl.bench.budget import blocks_markdown, suite_comparison
+
+        runs_data = [{"label": s.label, "seed": s.seed, "records": records[s.run_dir],
+                      "evals": evals[s.run_dir]} for s in specs]  # fmt: skip
+        from anchor_rl.bench.costs import COSTS_FILE, Costs
+
+        measured = Path(out) / COSTS_FILE  # costs measured on another machine, if given
+        costs = Costs.from_dict(json.loads(measured.read_text())) if measured.is_file() else None
+        payload, blocks = suite_comparison(runs_data, budget, baseline or labels[0], costs)
+        extra, extra_md = {"budget": payload}, blocks_markdown(blocks)
+    json_path, md_path = write_summary(out, name, runs, groups, comparisons, extra, extra_md)
     by_label: dict[str, list] = {}
     for spec in specs:
         by_label.setdefault(spec.label, []).append(records[spec.run_dir])
-    plots = plot_suite(by_label, out, f"suite {name}")
+    common = None if budget is None else budget["rollouts"]
+    plots = plot_suite(by_label, out, f"suite {name}", budget=common)
     return {"summary_json": json_path, "summary_md": md_path, "plots": plots}
 
 

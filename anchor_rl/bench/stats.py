@@ -1,5 +1,5 @@
-"""Mean and Student-t confidence intervals over seeds (no scipy needed), and the paired
-bootstrap over prompts.
+"""Mean and Student-t confidence intervals over seeds (no scipy needed), the paired bootstrap
+over prompts, and the two-level bootstrap over runs, then prompts.
 
 The t quantile comes from inverting the t CDF, which is a regularised incomplete beta
 function; that function is evaluated with its continued fraction (modified Lentz).
@@ -103,6 +103,64 @@ def paired_bootstrap(
     tail = (1 - confidence) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
     return Bootstrap(float(values.mean()), float(low), float(high), n, resamples)
+
+
+def two_level_bootstrap(
+    runs: Sequence[Sequence[float]],
+    minus: Sequence[Sequence[float]] | None = None,
+    paired_runs: bool = False,
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> Bootstrap:
+    """Mean over runs and prompts of ``runs`` (R x P: one row per run, e.g. a seed, one column
+    per held-out prompt), or its difference to ``minus`` (R' x P, another method on the same
+    prompts), with a percentile interval from a two-level bootstrap.
+
+    Each resample draws R runs with replacement within each method, then P prompts with
+    replacement (one prompt draw for both methods: the prompts are paired), and takes the
+    mean of the drawn cells, counted with multiplicity. With ``paired_runs`` (R = R': row i
+    of both is the same seed) both methods draw the same runs. The interval then covers
+    run-to-run spread (seeds) as well as the prompts' (another draw of held-out prompts);
+    with identical runs it is the prompt-only interval (:func:`paired_bootstrap` of the
+    per-prompt means), and with one run a side it is that interval exactly (the same
+    resamples). ``n`` of the result is P.
+    """
+    import numpy as np
+
+    a = np.asarray(runs, dtype=np.float64)
+    b = None if minus is None else np.asarray(minus, dtype=np.float64)
+    if a.ndim != 2 or a.size == 0 or (b is not None and (b.ndim != 2 or b.size == 0)):
+        raise ValueError("two_level_bootstrap needs at least one run of at least one prompt")
+    if b is not None and b.shape[1] != a.shape[1]:
+        raise ValueError(f"both methods need the same prompts: {a.shape[1]} vs {b.shape[1]}")
+    if paired_runs and (b is None or b.shape[0] != a.shape[0]):
+        raise ValueError("paired_runs needs two methods with the same number of runs")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if a.shape[0] == 1 and (b is None or b.shape[0] == 1):  # one run a side: prompts only
+        diffs = a[0] - (0.0 if b is None else b[0])
+        return paired_bootstrap(diffs.tolist(), confidence, resamples, seed)
+    rng = np.random.default_rng(seed)
+    n_prompts = a.shape[1]
+
+    def counts(n: int, size: int) -> np.ndarray:  # size x n multiplicities of n items
+        return rng.multinomial(n, np.full(n, 1.0 / n), size=size).astype(np.float64)
+
+    means = []
+    for done in range(0, resamples, 1000):
+        size = min(1000, resamples - done)
+        w = counts(a.shape[0], size)
+        v = counts(n_prompts, size)
+        stat = ((w @ a) * v).sum(axis=1) / (a.shape[0] * n_prompts)
+        if b is not None:
+            wb = w if paired_runs else counts(b.shape[0], size)
+            stat -= ((wb @ b) * v).sum(axis=1) / (b.shape[0] * n_prompts)
+        means.append(stat)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(np.concatenate(means), [tail, 1 - tail])
+    mean = float(a.mean() - (0.0 if b is None else b.mean()))
+    return Bootstrap(mean, float(low), float(high), n_prompts, resamples)
 
 
 def t_cdf(t: float, df: float) -> float:

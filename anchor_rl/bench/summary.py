@@ -12,7 +12,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from anchor_rl.bench.stats import Interval, figure_cell, paired_bootstrap, t_interval
+from anchor_rl.bench.stats import (
+    Interval,
+    figure_cell,
+    paired_bootstrap,
+    t_interval,
+    two_level_bootstrap,
+)
 
 FIGURES: dict[str, str] = {
     "eval_start": "held-out accuracy before training (step 0)",
@@ -26,6 +32,8 @@ FIGURES: dict[str, str] = {
     "rollouts": "per-run total: the policy's plus every rollout the method costs (PVPO's or V0.5's presampling, refreshes, a model teacher's generations, VAPO's value pretraining)",
     "amortised_rollouts": "`rollouts` with the presampling split over the suite's runs that share its anchors (the same reference, settings and anchor seed)",
     "tokens": "policy tokens generated",
+    "scored_tokens": "prompt + response tokens through a log-prob pass before the update (the policy's re-scoring, the reference's), summed over the steps",
+    "updated_tokens": "prompt + response tokens through the update (times its epochs), summed over the steps",
     "presample_rollouts": "reference rollouts the anchors rest on (PVPO, V0.5's anchor prior)",
     "wall_s": "wall-clock seconds, evaluation included",
     "generate_s": "mean seconds per step generating",
@@ -128,6 +136,9 @@ def run_figures(
         if "eval_start" in out:
             out["eval_gain"] = out["eval_final"] - out["eval_start"]
         out["eval_best"] = max(r["eval/accuracy"] for r in evals)
+    for key in ("scored", "updated"):  # the cost model's counts (anchor_rl.bench.costs)
+        if any(f"tokens/{key}" in r for r in steps):
+            out[f"{key}_tokens"] = sum(r.get(f"tokens/{key}", 0.0) for r in steps)
     fused = [r["v05/weight_zero_frac"] for r in steps if "v05/weight_zero_frac" in r]
     if fused:
         out["v05_weight_nonzero"] = 1.0 - _mean(fused)
@@ -214,38 +225,63 @@ def prompt_pairs(runs: Iterable[tuple[str, Path]]) -> dict[str, list[Any]]:
 def paired(
     runs: Mapping[str, Sequence[tuple[dict[str, float], dict[str, float]]]],
     baseline: str | None = None,
+    seeds: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """Paired comparisons over held-out prompts, pooled over seeds.
+    """Comparisons over held-out prompts with two-level bootstrap intervals (runs, then
+    prompts: :func:`~anchor_rl.bench.stats.two_level_bootstrap`).
 
-    ``runs``: label -> one ``(start, final)`` pair of per-prompt accuracies per seed
-    (:func:`prompt_accuracy`). For each label, ``gain``: per prompt, the mean over seeds of
-    final minus start, with its paired bootstrap interval; with a ``baseline`` label, for
-    every other label ``vs_baseline``: per prompt, the label's mean final accuracy minus the
-    baseline's, bootstrapped. Only prompts every seed of both sides evaluated count.
+    ``runs``: label -> one ``(start, final)`` pair of per-prompt accuracies per run
+    (:func:`prompt_accuracy`). For each label: ``accuracy``, its final held-out accuracy;
+    ``gain``, final minus start per run and prompt; with a ``baseline`` label, for every
+    other label ``vs_baseline``: its final accuracy minus the baseline's on the same prompts,
+    the runs paired when ``seeds`` gives both labels the same seeds in the same order. Each
+    is :func:`bootstrap_dict`: the two-level interval, and under ``prompt_only`` the
+    percentile bootstrap over prompts of the per-prompt means over runs (blind to the runs'
+    spread). Only prompts every run of both sides evaluated count.
     """
-
-    def common(pairs, *more) -> list[str]:
-        maps = [m for pair in (*pairs, *more) for m in pair]
-        return sorted(set.intersection(*(set(m) for m in maps)))
-
-    def mean_over_seeds(pairs, which: int, ids: list[str]) -> list[float]:
-        return [sum(pair[which][p] for pair in pairs) / len(pairs) for p in ids]
-
-    out: dict[str, Any] = {"gain": {}, "vs_baseline": {}, "baseline": baseline}
+    seeds = seeds or {}
+    out: dict[str, Any] = {"accuracy": {}, "gain": {}, "vs_baseline": {}, "baseline": baseline}
     for label, pairs in runs.items():
         if not pairs:
             continue
-        ids = common(pairs)
-        start, final = mean_over_seeds(pairs, 0, ids), mean_over_seeds(pairs, 1, ids)
-        out["gain"][label] = _bootstrap_dict([f - s for f, s in zip(final, start, strict=True)])
+        ids = _common(pairs)
+        gains = [[final[p] - start[p] for p in ids] for start, final in pairs]
+        out["gain"][label] = bootstrap_dict(gains)
+        out["accuracy"][label] = bootstrap_dict([[final[p] for p in ids] for _, final in pairs])
         if baseline in runs and label != baseline and runs[baseline]:
-            ids = common(pairs, *runs[baseline])
-            ours = mean_over_seeds(pairs, 1, ids)
-            theirs = mean_over_seeds(runs[baseline], 1, ids)
-            out["vs_baseline"][label] = _bootstrap_dict(
-                [a - b for a, b in zip(ours, theirs, strict=True)]
-            )
+            ids = _common(pairs, *runs[baseline])
+            ours = [[final[p] for p in ids] for _, final in pairs]
+            theirs = [[final[p] for p in ids] for _, final in runs[baseline]]
+            same = label in seeds and list(seeds[label]) == list(seeds.get(baseline, []))
+            out["vs_baseline"][label] = bootstrap_dict(ours, theirs, paired_runs=same)
     return out
+
+
+def _common(pairs, *more) -> list[str]:
+    """The prompt ids every per-prompt map of ``pairs`` (and ``more``) holds."""
+    maps = [m for pair in (*pairs, *more) for m in pair]
+    return sorted(set.intersection(*(set(m) for m in maps)))
+
+
+def bootstrap_dict(
+    rows: Sequence[Sequence[float]],
+    minus: Sequence[Sequence[float]] | None = None,
+    paired_runs: bool = False,
+) -> dict[str, Any]:
+    """The two-level bootstrap of ``rows`` (runs x prompts; minus ``minus``, another method's
+    runs on the same prompts) as ``{"mean", "low", "high", "prompts", "runs", "resamples",
+    "interval": "two-level", "prompt_only": {...}}``; ``prompt_only`` resamples the prompts
+    of the per-prompt means over runs (differences of means with ``minus``)."""
+    import numpy as np
+
+    b = two_level_bootstrap(rows, minus, paired_runs=paired_runs)
+    per_prompt = np.asarray(rows, dtype=np.float64).mean(axis=0)
+    if minus is not None:
+        per_prompt = per_prompt - np.asarray(minus, dtype=np.float64).mean(axis=0)
+    runs = len(rows) if minus is None else [len(rows), len(minus)]
+    return {"mean": b.mean, "low": b.low, "high": b.high, "prompts": b.n, "runs": runs,
+            "resamples": b.resamples, "interval": "two-level",
+            "prompt_only": _bootstrap_dict(per_prompt.tolist())}  # fmt: skip
 
 
 def _bootstrap_dict(diffs: Sequence[float]) -> dict[str, Any]:
@@ -260,44 +296,65 @@ def write_summary(
     runs: Sequence[Mapping[str, Any]],
     groups: Sequence[Mapping[str, Any]],
     comparisons: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    extra_md: str = "",
 ) -> tuple[Path, Path]:
-    """summary.json and summary.md in ``out`` (``comparisons``: :func:`paired`)."""
+    """summary.json and summary.md in ``out`` (``comparisons``: :func:`paired`; ``extra``:
+    more top-level keys of summary.json, ``extra_md``: a section appended to summary.md)."""
     out = Path(out)
     json_path, md_path = out / "summary.json", out / "summary.md"
     payload = {"suite": suite, "figures": FIGURES, "groups": list(groups), "runs": list(runs)}
     if comparisons is not None:
         payload["paired"] = dict(comparisons)
+    payload |= dict(extra or {})
     json_path.write_text(json.dumps(payload, indent=2))
     text = markdown_table(suite, groups)
     if comparisons is not None and comparisons["gain"]:
         text += paired_table(comparisons)
+    if extra_md:
+        text += "\n" + extra_md
     md_path.write_text(text)
     return json_path, md_path
 
 
 def paired_table(comparisons: Mapping[str, Any]) -> str:
-    """The paired comparisons as markdown: gain over the reference and difference to the
-    baseline, mean [95% percentile bootstrap] over held-out prompts."""
+    """The comparisons over held-out prompts as markdown: final accuracy, gain over the
+    reference and difference to the baseline, each mean [95% two-level bootstrap interval],
+    with the prompt-only interval of the difference as a secondary column."""
     baseline = comparisons.get("baseline")
     lines = [
-        "## Paired over held-out prompts",
+        "## Over held-out prompts, two-level intervals",
         "",
-        "Per prompt, the mean over seeds; mean and 95% percentile-bootstrap interval over "
-        "prompts (10,000 resamples). The t intervals above are over seeds.",
+        "Mean [95% percentile interval of a two-level bootstrap: runs (seeds) resampled within "
+        "each method, then prompts; 10,000 resamples]. The last column resamples prompts only "
+        "(per prompt the mean over seeds), blind to the spread between runs. The t intervals "
+        "above are over seeds.",
         "",
-        f"| run | prompts | gain over the reference | vs `{baseline}` (final accuracy) |",
-        "| --- | ---: | ---: | ---: |",
+        f"| run | runs | prompts | held-out (final) | gain over the reference | vs `{baseline}` "
+        "(final accuracy) | vs baseline, prompt-only |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, gain in comparisons["gain"].items():
         vs = comparisons["vs_baseline"].get(label)
-        cells = [format_bootstrap(gain), format_bootstrap(vs)]
-        lines.append(f"| {label} | {gain['prompts']} | " + " | ".join(cells) + " |")
+        accuracy = comparisons.get("accuracy", {}).get(label)
+        cells = [
+            format_bootstrap(accuracy, signed=False),
+            format_bootstrap(gain),
+            format_bootstrap(vs),
+            format_bootstrap(None if vs is None else vs.get("prompt_only")),
+        ]
+        runs = gain.get("runs", "–")
+        lines.append(f"| {label} | {runs} | {gain['prompts']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def format_bootstrap(b: Mapping[str, Any] | None) -> str:
-    """A paired-bootstrap result as ``+0.012 [+0.005, +0.020]``; ``–`` for None."""
-    return "–" if b is None else f"{b['mean']:+.3f} [{b['low']:+.3f}, {b['high']:+.3f}]"
+def format_bootstrap(b: Mapping[str, Any] | None, signed: bool = True) -> str:
+    """A bootstrap result as ``+0.012 [+0.005, +0.020]`` (``0.512 [0.490, 0.533]`` unsigned);
+    ``–`` for None."""
+    if b is None:
+        return "–"
+    f = "+.3f" if signed else ".3f"
+    return f"{b['mean']:{f}} [{b['low']:{f}}, {b['high']:{f}}]"
 
 
 def markdown_table(suite: str, groups: Sequence[Mapping[str, Any]]) -> str:

@@ -66,6 +66,14 @@ def bench(
             help="Comma-separated run labels to run, e.g. grpo+n8 (default: the suite's).",
         ),
     ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", help="Common rollout budget: max or N (default: the suite's)."),
+    ] = None,
+    to_budget: Annotated[
+        str | None,
+        typer.Option("--to-budget", help="Comma-separated labels run to --budget, not to steps."),
+    ] = None,
 ) -> None:
     """Run a benchmark suite; writes summary.json, summary.md and accuracy plots.
 
@@ -89,6 +97,10 @@ def bench(
             if not labels:
                 raise ConfigError(f"--runs names no run: {runs!r}")
             loaded = dataclasses.replace(loaded, runs=labels)
+        if budget is not None or to_budget is not None:  # plan() checks them with the suite
+            from anchor_rl.bench.runner import budget_options
+
+            loaded = budget_options(loaded, budget, to_budget)
         run, target = functools.partial(run_suite, loaded), loaded.name
     args = BenchArgs(
         out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,

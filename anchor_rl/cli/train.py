@@ -81,7 +81,7 @@ def train(
     """Train with RL from verifiable rewards.
 
     Presets: grpo, drgrpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, vapo, pvpo,
-    v05. Settings apply as defaults < preset < overrides; invalid keys or values fail before
+    v05, astarpo; bounds: perfect, v05_perfect. Settings apply as defaults < preset < overrides; invalid keys or values fail before
     any work.
 
     SIGTERM or Ctrl-C finishes the step in progress, writes its checkpoint, prints the

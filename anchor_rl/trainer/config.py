@@ -19,10 +19,12 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from anchor_rl.errors import ConfigError
 from anchor_rl.methods.critic_config import CriticConfig
+from anchor_rl.methods.peers_config import AStarPOConfig, PerfectConfig
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.models.lora import LoRAConfig
 from anchor_rl.section import Section
+from anchor_rl.trainer.budget import BudgetConfig
 from anchor_rl.trainer.plugins import check_registered, load_plugin
 from anchor_rl.trainer.presets import parse_override, read_preset, suggest_keys
 from anchor_rl.trainer.rules import combination_errors
@@ -59,6 +61,11 @@ class RolloutConfig(Section):
     """Options of the engine's factory (for `hf`: `max_batch=64`, responses generated together;
     `decode=auto|static|hf|graph`, the decoding forward pass (`auto`: `graph`, CUDA graphs, on a GPU, `static` on the CPU); `precision=model|bf16`, `bf16` samples
     from a bfloat16 copy of the weights; docs/models.md)."""
+    release_memory: bool = False
+    """Free what the in-process `hf` engine holds while the policy updates: its bfloat16
+    sampling copy (`engine_args.precision=bf16`) and, on a GPU, the allocator's cached blocks
+    (the last rollout's key/value buffers and CUDA graph pools); the sync after the update
+    fills the copy again (docs/training.md, "Memory"). Samples the same tokens."""
 
     @field_validator("engine")
     @classmethod
@@ -248,6 +255,11 @@ class OptimConfig(Section):
     update of `rescore = auto`). The critic stays
     float32; the engine samples in float32 unless `rollout.engine_args.precision=bf16`.
     `off`: float32 throughout."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (torch.utils.checkpoint, non-reentrant), for the policy's update and a separate critic's:
+    the update's activation memory drops to one hidden state per layer, for about one more
+    forward pass of compute; the gradients are unchanged (docs/training.md, "Memory")."""
 
 
 class EvalConfig(Section):
@@ -308,8 +320,9 @@ class ClusterConfig(Section):
     """The Ray cluster of the rollout workers: `local` starts Ray in this process, `auto` joins
     the cluster `ray start --head` started, or HOST:PORT."""
     learners: int = Field(1, gt=0)
-    """Data-parallel learner ranks of the policy update and the critic's (torch.distributed,
-    gloo): this process is rank 0, the others are spawned processes with replicas; the batch is sharded, the loss
+    """Data-parallel learner ranks of the policy update and the critic's (torch.distributed:
+    gloo on the CPU; NCCL with one GPU per rank on CUDA, never run on a GPU yet): this process
+    is rank 0, the others are spawned processes with replicas; the batch is sharded, the loss
     normalisers are the whole batch's and the gradients are summed, so N learners take the
     step one would. Checkpoints are rank 0's and resume on any count."""
     threads_per_learner: int = Field(0, ge=0)
@@ -362,7 +375,7 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0, lt=2**32)
     """Seeds the prompt order, sampling and random init (0 <= seed < 2**32, as numpy takes it)."""
     steps: int = Field(100, gt=0)
-    """Training steps."""
+    """Training steps (the cap, with `budget.rollouts`)."""
     time_limit: float | None = Field(None, gt=0)
     """Wall-clock budget in seconds (time/elapsed: steps and evaluations, not model loading):
     the run ends after the step that reaches it, with its final evaluation and checkpoint.
@@ -393,7 +406,10 @@ class TrainConfig(Section):
     pvpo: PVPOConfig = PVPOConfig()
     critic: CriticConfig = CriticConfig()
     v05: V05Config = V05Config()
+    astarpo: AStarPOConfig = AStarPOConfig()
+    perfect: PerfectConfig = PerfectConfig()
     cluster: ClusterConfig = ClusterConfig()
+    budget: BudgetConfig = BudgetConfig()
     components: list[str] = Field(default_factory=list)
     """Registered method components (anchor_rl.trainer.component.register_component) added to
     the run, in this order, after the built-in ones (PVPO, V0.5 and the critic, which the
@@ -466,7 +482,8 @@ class TrainConfig(Section):
         """The built-in method components the run builds, in the order the loop calls them
         (``run.build_components``): ``v05`` when the estimator reads ``baseline``, ``pvpo``
         when it reads ``anchor`` or ``filter.kind = "group"``, ``critic`` when it reads
-        ``values`` (``gae``: PPO, VAPO)."""
+        ``values`` (``gae``: PPO, VAPO), ``astarpo`` when it reads ``vstar``, ``perfect``
+        when it reads ``policy_value``."""
         from anchor_rl.algos.registry import get_estimator
 
         reads = set(get_estimator(self.advantage.estimator).inputs)
@@ -474,6 +491,8 @@ class TrainConfig(Section):
             "v05": "baseline" in reads,
             "pvpo": "anchor" in reads or self.filter.kind == "group",
             "critic": "values" in reads,
+            "astarpo": "vstar" in reads,
+            "perfect": "policy_value" in reads,
         }
         return tuple(name for name, on in built.items() if on)
 

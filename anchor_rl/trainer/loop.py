@@ -30,10 +30,19 @@ import time
 from anchor_rl.algos.losses import kl
 from anchor_rl.batch import minibatches
 from anchor_rl.cluster.asynchronous import truncated_is_weights
-from anchor_rl.errors import NonFiniteError
+from anchor_rl.errors import ConfigError, NonFiniteError
 from anchor_rl.interrupt import Interrupted, signal_name, stop_signals
 from anchor_rl.models.lora import sampling_state
+from anchor_rl.rollout.engine import release_memory
 from anchor_rl.trainer.advantage import advantage_metrics, base_inputs, compute_advantages
+from anchor_rl.trainer.budget import (
+    budget_metrics,
+    check_start,
+    crossed,
+    spent,
+    stop_reason,
+    token_counts,
+)
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.collect import collect, prefetch_next
 from anchor_rl.trainer.component import Step
@@ -73,6 +82,8 @@ def train_step(run: Run) -> dict[str, float]:
         batch = scored.batch
         step.mask = mask = loss_mask(batch, cfg)
         single = single_pass(run, step) and not stale
+        if cfg.rollout.release_memory:  # the sampler's copy and caches, until the sync below
+            release_memory(run.engine)
         with timer("update"):
             # 4: log-probs of the policy that sampled (recomputed), the behaviour log-probs of
             # the ratio (the same, except off-policy rows such as PVPO's teacher trajectories,
@@ -124,6 +135,7 @@ def train_step(run: Run) -> dict[str, float]:
             run.engine.sync_weights(sampling_state(run.policy))  # LoRA: merged, lazily
         assert logp is not None and entropy is not None
         metrics["update/single_pass"] = float(single)
+        metrics |= token_counts(batch, not single, ref_logp is not None, cfg.optim.epochs)
         metrics |= advantage_metrics(adv, mask)
         metrics["policy/entropy"] = token_mean(entropy, batch.loss_mask)
         if ref_logp is not None:
@@ -172,6 +184,14 @@ def train(run: Run) -> Run:
                f"of {cfg.steps} is next")  # fmt: skip
     else:
         _event(run, f"starting {run.run_dir}: {cfg.steps} steps", echo=False)
+    budget = cfg.budget  # budget.rollouts: stop at a total; evaluate at fractions of it
+    evaluating = bool(cfg.eval.every or budget.fractions)
+    total = counters(run)["rollouts/total"]
+    try:
+        check_start(budget, total, state.step)
+    except ValueError as exc:
+        run.close()
+        raise ConfigError(str(exc)) from None
     sinks = open_sinks(cfg.log, run.run_dir, cfg.model_dump(mode="json"), resumed_at)
     evals = JsonlSink(run.run_dir, resumed_at, EVALS_FILE)  # per-prompt results
     metrics: dict[str, float] = {}
@@ -182,7 +202,7 @@ def train(run: Run) -> Run:
             stop_signals(notice) as stop,
             ProgressBar(cfg.steps, state.step, cfg.log.progress) as bar,
         ):
-            if state.step == 0 and cfg.eval.every:
+            if state.step == 0 and evaluating:
                 started = time.perf_counter()
                 scores, details = evaluate_policy(run, 0)
                 evals.log(0, details)
@@ -192,6 +212,7 @@ def train(run: Run) -> Run:
             while (
                 state.step < cfg.steps
                 and not _out_of_time(cfg, state.elapsed)
+                and not spent(budget, total)
                 and not stop.requested
             ):
                 before: dict[str, float] = {}  # outside the step's clock (V0.5's probe)
@@ -203,10 +224,16 @@ def train(run: Run) -> Run:
                 except NonFiniteError as exc:
                     raise NonFiniteError(_diverged(run, str(exc))) from None
                 state.step += 1
-                last = state.step == cfg.steps or _out_of_time(
-                    cfg, state.elapsed + time.perf_counter() - started
+                due = crossed(budget, total, metrics["rollouts/total"])
+                total = metrics["rollouts/total"]
+                metrics |= budget_metrics(budget, total, due)
+                last = (
+                    state.step == cfg.steps
+                    or spent(budget, total)
+                    or _out_of_time(cfg, state.elapsed + time.perf_counter() - started)
                 )
-                if cfg.eval.every and (state.step % cfg.eval.every == 0 or last):
+                periodic = cfg.eval.every and state.step % cfg.eval.every == 0
+                if periodic or (evaluating and last) or due:
                     scores, details = evaluate_policy(run, state.step)
                     evals.log(state.step, details)
                     metrics |= scores
@@ -230,8 +257,12 @@ def train(run: Run) -> Run:
         for sink in [*sinks, evals]:
             sink.close()
         run.close()
-    write_summary(run, metrics)
-    _event(run, f"finished at step {state.step}", echo=False)
+    reason = stop_reason(budget, total, state.step, cfg.steps, _out_of_time(cfg, state.elapsed))
+    write_summary(run, metrics, reason)
+    if budget.rollouts is not None and reason != "budget":
+        _event(run, f"stopped by {reason} at step {state.step} with {total:.0f} of "
+               f"budget.rollouts={budget.rollouts} rollouts spent")  # fmt: skip
+    _event(run, f"finished at step {state.step} ({reason})", echo=False)
     return run
 
 

@@ -14,11 +14,12 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from anchor_rl.methods.knobs import changed, no_effect
+from anchor_rl.methods.peers_config import ASTARPO_PVPO_KNOBS, astarpo_loss_errors, uses_perfect
 from anchor_rl.methods.v05_config import ANCHOR_KNOBS
 from anchor_rl.models.lora import lora_errors
 from anchor_rl.trainer.plugins import engines
 
-METHOD_SECTIONS = ("pvpo", "v05", "critic")
+METHOD_SECTIONS = ("pvpo", "v05", "critic", "astarpo", "perfect")
 """The sections that belong to a method: each is validated by its own ``errors`` when the
 run uses the method, and its knobs are refused by :func:`unused_method_errors` when not."""
 
@@ -35,7 +36,11 @@ def unused_method_errors(cfg: Any) -> list[str]:
     methods, est = cfg.methods, cfg.advantage.estimator
     for name in METHOD_SECTIONS:
         section = getattr(cfg, name)
-        if name in methods:
+        if name in methods or (name == "perfect" and uses_perfect(cfg)):
+            continue
+        if name == "pvpo" and "astarpo" in methods:  # A*-PO's reference samples
+            if names := [n for n in changed(section) if n not in ASTARPO_PVPO_KNOBS]:
+                errors.append(no_effect(name, names, "A*-PO reads only the presampling knobs"))
             continue
         partial = name == "pvpo" and "v05" in methods and cfg.v05.prior.startswith("anchor")
         read = (*ANCHOR_KNOBS, "refresh_every") if partial else ()
@@ -78,7 +83,7 @@ def combination_errors(cfg: Any) -> list[str]:
             f"rollout.n=1 with advantage.estimator={est}: a group of one response is "
             "its own baseline, so every advantage is 0; set rollout.n >= 2"
         )
-    if cfg.filter.kind == "dynamic" and reads & {"anchor", "baseline"}:
+    if cfg.filter.kind == "dynamic" and reads & {"anchor", "baseline", "policy_value"}:
         errors.append(
             f"filter.kind=dynamic with advantage.estimator={est}: dynamic sampling "
             "drops groups whose responses all score alike, which carry gradient against "
@@ -106,7 +111,7 @@ def combination_errors(cfg: Any) -> list[str]:
             "optim.shared_prefix=on with optim.padding_free=off: the shared-prefix forward is "
             "padding-free; set optim.padding_free=auto or optim.shared_prefix=off"
         )
-    uses_ref = cfg.needs_ref or pvpo or v05_anchor
+    uses_ref = cfg.needs_ref or pvpo or v05_anchor or "astarpo" in methods
     if cfg.ref_model is not None and not uses_ref:
         errors.append(
             "ref_model has no effect: nothing reads a reference (kl.coef=0, "
@@ -124,6 +129,11 @@ def combination_errors(cfg: Any) -> list[str]:
             cfg.pvpo, n=cfg.rollout.n, budget=cfg.rollout.budget,
             overlong_cache=cfg.reward.overlong_cache,
         )  # fmt: skip
+
+    # --- A*-PO ------------------------------------------------------------------------------
+    if "astarpo" in methods:
+        errors += cfg.astarpo.errors(cfg)
+    errors += astarpo_loss_errors(cfg)
 
     # --- PVPO ----------------------------------------------------------------------------
     if pvpo:
@@ -200,11 +210,23 @@ def combination_errors(cfg: Any) -> list[str]:
                 "forward runs the layers' parts, which FSDP does not gather): set "
                 "optim.shared_prefix=auto or off"
             )
-    if cfg.cluster.learners > 1 and not cfg.device.startswith("cpu"):
+    if cfg.rollout.release_memory and cfg.engine[0] != "hf":
         errors.append(
-            f"cluster.learners > 1 on device={cfg.device} is not built yet (the learners use "
-            "gloo on the CPU; NCCL ranks, one GPU each, are open work); use device=cpu"
+            f"rollout.release_memory frees the in-process hf engine's memory; the "
+            f"{cfg.engine[0]!r} engine samples in other processes, which hold their own: drop "
+            "rollout.release_memory"
         )
+    if cfg.cluster.learners > 1:  # gloo on the CPU, NCCL with one GPU per rank on CUDA
+        kind, _, index = cfg.device.partition(":")
+        if kind not in ("cpu", "cuda"):
+            errors.append(
+                f"cluster.learners > 1 runs on cpu (gloo) or cuda (NCCL), not device={cfg.device}"
+            )
+        elif kind == "cuda" and index not in ("", "0"):
+            errors.append(
+                f"cluster.learners > 1 with device={cfg.device}: the ranks take GPUs 0..N-1, one "
+                "each; choose the GPUs with CUDA_VISIBLE_DEVICES and set device=cuda"
+            )
 
     # --- the critic ------------------------------------------------------------------------
     if critic:

@@ -30,6 +30,7 @@ from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.cluster.asynchronous import PrefetchingEngine
 from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
+from anchor_rl.models import checkpointing
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
 from anchor_rl.models.lora import apply_lora, load_adapter, trainable_parameters
 from anchor_rl.rollout.engine import Engine, close_engine, make_engine
@@ -37,14 +38,16 @@ from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.spec import load_spec
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tasks import TASKS, get_task
-from anchor_rl.tasks.base import Task
+from anchor_rl.tasks.base import Record, Task
 from anchor_rl.tasks.reward_set import with_rewards
 from anchor_rl.trainer import checkpoint
+from anchor_rl.trainer.astar import AStarPO
 from anchor_rl.trainer.component import COMPONENTS, Component, Setup
 from anchor_rl.trainer.config import ConfigError, TrainConfig, apply_overrides, build_config
 from anchor_rl.trainer.critic import PPOCritic
 from anchor_rl.trainer.data import PromptSampler
 from anchor_rl.trainer.logging import METRICS_FILE, jsonl_path
+from anchor_rl.trainer.perfect import UNCOUNTED, Perfect
 from anchor_rl.trainer.pvpo import PVPO, presample_anchors
 from anchor_rl.trainer.state import TrainState
 from anchor_rl.trainer.update import make_optimizer
@@ -52,7 +55,9 @@ from anchor_rl.trainer.v05 import V05
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
-RESUMABLE_KEYS = ("steps", "time_limit", "eval.", "checkpoint.", "log.", "cluster.", "threads")
+RESUMABLE_KEYS = (
+    "steps", "time_limit", "budget.", "eval.", "checkpoint.", "log.", "cluster.", "threads"
+)  # fmt: skip
 PREFETCH_STATE = "async_prefetch"
 """The checkpoint file (``NAME.pt``) of an asynchronous run's prefetched rollouts."""
 """Fields a resumed run may change: how long it runs, what it records and where its work
@@ -275,8 +280,9 @@ def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) ->
     for key in overrides:
         if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
             raise ConfigError(
-                f"{key!r} cannot change on resume (only steps, time_limit, eval.*, checkpoint.*, "
-                "log.*, cluster.*): it would change what the run learns; start a new run with --out"
+                f"{key!r} cannot change on resume (only steps, time_limit, budget.*, eval.*, "
+                "checkpoint.*, log.*, cluster.*): it would change what the run learns; start a "
+                "new run with --out"
             )
     return build_config(apply_overrides(table, overrides))
 
@@ -386,7 +392,7 @@ def counters(run: Run) -> dict[str, float]:
         total += run.state.discarded
     for component in run.components.values():
         extra = component.counters()
-        total += sum(v for k, v in extra.items() if k.startswith("rollouts/"))
+        total += sum(v for k, v in extra.items() if k.startswith("rollouts/") and k != UNCOUNTED)
         out |= extra
     out["rollouts/total"] = total
     if run.threads is not None:  # not a counter: which threads the figures were measured with
@@ -395,9 +401,11 @@ def counters(run: Run) -> dict[str, float]:
     return out
 
 
-def write_summary(run: Run, last: dict[str, float]) -> None:
-    """summary.json: the preset, the last step's metrics and the latest evaluation."""
+def write_summary(run: Run, last: dict[str, float], stop: str | None = None) -> None:
+    """summary.json: the preset, the last step's metrics and the latest evaluation, why the
+    run ended (``stop``: steps, budget, time_limit) and its ``budget.rollouts``."""
     summary = {"preset": run.cfg.preset, "steps": run.state.step, "last": last}
+    summary |= {"stop": stop, "budget_rollouts": run.cfg.budget.rollouts}
     (run.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
 
@@ -414,7 +422,7 @@ def build_components(setup: Setup) -> dict[str, Component]:
     in the order ``components`` lists them.
     """
     cfg, methods = setup.cfg, setup.cfg.methods
-    pvpo = PVPO(setup, presample_anchors(setup)) if "pvpo" in methods else None
+    pvpo = PVPO(setup, presample_anchors(setup, lazy=True)) if "pvpo" in methods else None
     components = setup.components
     if "v05" in methods:
         components["v05"] = V05(setup, pvpo)
@@ -422,6 +430,10 @@ def build_components(setup: Setup) -> dict[str, Component]:
         components["pvpo"] = pvpo
     if "critic" in methods:
         components["critic"] = PPOCritic(setup)
+    if "astarpo" in methods:
+        components["astarpo"] = AStarPO(setup)
+    if "perfect" in methods:
+        components["perfect"] = Perfect(setup)
     for name in cfg.components:
         if name in components:
             raise ConfigError(f"components: {name!r} is a built-in component's name")
@@ -447,6 +459,8 @@ def _assemble(
     resuming: bool = False,
 ) -> Run:
     keep_freed_memory()  # anchor_rl.allocator: no page faults for each step's tensors
+    if cfg.optim.activation_checkpointing:  # each layer recomputed in the backward pass
+        checkpointing.enable(policy)
     choice = _threads(cfg, policy)
     optimizer, scheduler = make_optimizer(cfg, trainable_parameters(policy))
     setup = Setup(
@@ -477,7 +491,7 @@ def _assemble(
         engine=setup.engine,
         optimizer=optimizer,
         scheduler=scheduler,
-        sampler=PromptSampler(records, cfg.seed, state.consumed),
+        sampler=_prompt_stream(components, records, cfg.seed, state.consumed),
         generator=setup.generator,
         state=state,
         components=components,
@@ -487,6 +501,17 @@ def _assemble(
     if isinstance(critic, PPOCritic) and cfg.cluster.learners > 1:
         critic.learners = run.learner_group  # the critic's update runs on the ranks too
     return run
+
+
+def _prompt_stream(
+    components: dict[str, Component], records: list[Record], seed: int, consumed: int
+) -> PromptSampler:
+    """The first stream a component draws itself (``Component.prompt_stream``), else
+    ``records`` shuffled each epoch."""
+    for component in components.values():
+        if (stream := component.prompt_stream(seed, consumed)) is not None:
+            return stream
+    return PromptSampler(records, seed, consumed)
 
 
 def _threads(cfg: TrainConfig, policy: PreTrainedModel) -> threads.ThreadChoice:

@@ -38,6 +38,7 @@ from anchor_rl.algos.registry import get_policy_loss
 from anchor_rl.batch import RolloutBatch, minibatches
 from anchor_rl.cluster.data_parallel import DataParallel
 from anchor_rl.errors import NonFiniteError
+from anchor_rl.methods.peers_config import policy_loss_options
 from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.trainer.config import TrainConfig
 
@@ -147,7 +148,7 @@ def loss_terms(
     norm = float(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant: the generation budget
     pg, metrics = get_policy_loss(lc.policy_loss)(
         logp, old_logp, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
-        clip_c=lc.clip_c, agg=lc.agg, norm_const=norm,
+        clip_c=lc.clip_c, agg=lc.agg, norm_const=norm, **policy_loss_options(cfg),
     )  # fmt: skip
     terms = {"policy": pg}
     if cfg.kl.coef > 0 and not cfg.kl.in_reward:

@@ -11,7 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from anchor_rl.bench.stats import Interval, paired_bootstrap, t_cdf, t_interval, t_quantile
+from anchor_rl.bench.stats import (
+    Interval,
+    paired_bootstrap,
+    t_cdf,
+    t_interval,
+    t_quantile,
+    two_level_bootstrap,
+)
 from anchor_rl.bench.summary import paired, prompt_accuracy
 
 
@@ -111,3 +118,71 @@ def test_paired_comparisons_by_hand() -> None:
     assert out["gain"]["grpo"]["mean"] == pytest.approx(-0.5 / 3)
     assert out["vs_baseline"]["pvpo"]["mean"] == pytest.approx((1 + 0.5 + 0) / 3)
     assert "grpo" not in out["vs_baseline"] and out["gain"]["pvpo"]["prompts"] == 3
+
+
+def _runs(seed_effects: list[float], prompts: int = 200, seed: int = 0) -> list[list[float]]:
+    """Per-prompt accuracies of one method's runs: a shared prompt difficulty plus a per-run
+    shift (the seed's effect), clipped to [0, 1]."""
+    rng = random.Random(seed)
+    base = [rng.random() for _ in range(prompts)]
+    return [[min(1.0, max(0.0, b + e)) for b in base] for e in seed_effects]
+
+
+def test_two_level_interval_is_wider_when_seeds_disagree() -> None:
+    disagree = _runs([-0.1, 0.0, 0.1])
+    two = two_level_bootstrap(disagree)
+    only = paired_bootstrap([sum(col) / 3 for col in zip(*disagree, strict=True)])
+    assert two.mean == pytest.approx(only.mean)
+    assert two.low <= two.mean <= two.high
+    assert (two.high - two.low) > 1.5 * (only.high - only.low)
+
+
+def test_two_level_interval_is_the_prompt_only_one_when_seeds_agree() -> None:
+    agree = _runs([0.0, 0.0, 0.0])
+    two = two_level_bootstrap(agree)
+    only = paired_bootstrap(agree[0])
+    assert two.mean == pytest.approx(only.mean)
+    assert (two.high - two.low) == pytest.approx(only.high - only.low, rel=0.1)
+    assert two_level_bootstrap(agree, seed=3) == two_level_bootstrap(agree, seed=3)  # seeded
+
+
+def test_two_level_difference_pairs_prompts_and_optionally_runs() -> None:
+    ours, theirs = _runs([0.05, 0.10, 0.15]), _runs([-0.05, 0.0, 0.05])
+    diff = two_level_bootstrap(ours, theirs)
+    assert diff.mean == pytest.approx(0.1, abs=0.02)
+    assert diff.low < diff.mean < diff.high
+    # the same seeds in the same order (each seed's shift shared): pairing the runs removes
+    # the seed effect from the difference
+    shift = [-0.1, 0.0, 0.1]
+    a = _runs([s + 0.05 for s in shift], seed=1)
+    b = _runs(shift, seed=1)
+    narrow = two_level_bootstrap(a, b, paired_runs=True)
+    wide = two_level_bootstrap(a, b, paired_runs=False)
+    assert (narrow.high - narrow.low) < 0.5 * (wide.high - wide.low)
+    with pytest.raises(ValueError, match="same prompts"):
+        two_level_bootstrap(a, [row[:-1] for row in b])
+    with pytest.raises(ValueError, match="paired_runs"):
+        two_level_bootstrap(a, b[:2], paired_runs=True)
+
+
+def test_paired_comparisons_carry_both_intervals() -> None:
+    start = {p: 0.0 for p in "abcdef"}
+    runs = {
+        "grpo": [(start, {p: v for p, v in zip("abcdef", [1, 0, 1, 0, 1, 0], strict=True)})] * 2,
+        "pvpo": [
+            (start, {p: 1.0 for p in "abcdef"}),
+            (start, {p: 0.0 for p in "abcdef"}),
+        ],
+    }
+    out = paired(runs, "grpo", seeds={"grpo": [0, 1], "pvpo": [0, 1]})
+    acc = out["accuracy"]["pvpo"]
+    assert acc["mean"] == pytest.approx(0.5) and acc["interval"] == "two-level"
+    assert acc["runs"] == 2 and acc["prompt_only"]["low"] == acc["prompt_only"]["high"] == 0.5
+    assert acc["low"] < 0.5 < acc["high"]  # the two seeds disagree on every prompt
+    assert out["vs_baseline"]["pvpo"]["mean"] == pytest.approx(0.0)
+
+
+def test_two_level_with_one_run_a_side_is_the_prompt_only_interval() -> None:
+    (ours,), (theirs,) = _runs([0.05]), _runs([0.0], seed=2)
+    diffs = [a - b for a, b in zip(ours, theirs, strict=True)]
+    assert two_level_bootstrap([ours], [theirs]) == paired_bootstrap(diffs)

@@ -289,10 +289,11 @@ def test_the_report_pairs_runs_over_held_out_prompts(tmp_path) -> None:
                          "figures": run_figures(records)})  # fmt: skip
     write_summary(root, "pairs", runs, summarise(runs))
     header, rows = _paired_table(load_results([root]).methods)
-    assert header[-1] == "vs `a` (final)"
-    assert rows[0] == ["a", "2", "+1.000 [+1.000, +1.000]", "–"]
-    assert rows[1][:2] == ["b", "2"] and rows[1][2].startswith("+0.500 [")
-    assert rows[1][3].startswith("-0.500 [")
+    assert header[-2:] == ["vs `a` (final)", "vs baseline, prompt-only"]
+    assert rows[0] == ["a", "2", "2", "1.000 [1.000, 1.000]", "+1.000 [+1.000, +1.000]", "–", "–"]
+    assert rows[1][:4] == ["b", "2", "2", "0.500 [0.000, 1.000]"]
+    assert rows[1][4].startswith("+0.500 [") and rows[1][5].startswith("-0.500 [")
+    assert rows[1][6].startswith("-0.500 [")
 
 
 def test_a_training_run_directory_gets_its_own_report(tmp_path) -> None:

@@ -275,6 +275,10 @@ REFUSED = [
      ["cluster.rollout_workers=2", "rollout.engine_args.address=auto"], "set them there"),
     ("`rollout.engine_args` values the engine does not take (`decode=foo`, `precision=fp8`, "
      "`max_batch=0`)", "grpo", ["rollout.engine_args.precision=fp8"], "should be 'model' or 'bf16'"),
+    ("`rollout.release_memory` with Ray workers or the `http` engine", "grpo",
+     ["cluster.rollout_workers=2", "rollout.release_memory=true"], "samples in other processes"),
+    ("`cluster.learners > 1` with `device=cuda:N` (N > 0) or a device other than `cpu`/`cuda`",
+     "grpo", ["cluster.learners=2", "device=cuda:1"], "the ranks take GPUs 0..N-1"),
 ]  # fmt: skip
 
 
