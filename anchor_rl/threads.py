@@ -70,13 +70,6 @@ class ThreadChoice:
         hint = f"; {OVERRIDE_HINT}" if self.source == "auto" else ""
         return f"threads: {shown} ({self.reason}{hint})"
 
-    def as_dict(self) -> dict[str, Any]:
-        """The choice as JSON-ready values."""
-        return {
-            "generate": self.generate, "update": self.update, "sft": self.sft,
-            "source": self.source, "reason": self.reason,
-        }  # fmt: skip
-
 
 def parse_setting(value: str | int | None) -> Setting:
     """``"auto"`` (also for None) or a thread count >= 1; ValueError for anything else."""

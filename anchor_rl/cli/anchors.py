@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from anchor_rl.cli.options import parse_task_kwargs
+from anchor_rl.cli.options import load_model, parse_task_kwargs, served
 
 if TYPE_CHECKING:
     from anchor_rl.anchors.keys import AnchorKey
@@ -127,10 +127,9 @@ def _setup(
     as None come from ``preset``, as ``anchor-rl train --preset`` would use them."""
     from anchor_rl.anchors.keys import task_identity
     from anchor_rl.anchors.presample import presample_key, task_params
-    from anchor_rl.errors import AnchorRLError
     from anchor_rl.paths import store_path
     from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import frozen, load_spec
+    from anchor_rl.rollout.spec import frozen
     from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
     from anchor_rl.trainer.config import load_config
@@ -171,14 +170,11 @@ def _setup(
     params = task_params(sampling, task_obj)
     task_id = task_identity(task, task_obj, kwargs)
     if model.startswith("http:"):
-        engine = _served(model, tokenizer_dir)
+        engine = served(model, tokenizer_dir)
         policy, tokenizer = None, engine.tokenizer
         key = _served_key(engine, params, task_id, seed)
     else:
-        try:
-            policy, tokenizer = load_spec(model, task, kwargs, seed, device)
-        except (ValueError, AnchorRLError) as exc:
-            raise typer.BadParameter(str(exc), param_hint="--model") from exc
+        policy, tokenizer = load_model(model, task, kwargs, seed, device)
         policy = frozen(policy)
         engine = make_engine("hf", policy, tokenizer)
         key = presample_key(policy, tokenizer, params, task_id, seed=seed)
@@ -196,21 +192,6 @@ def _setup(
         key,
         store_path(db),
     )
-
-
-def _served(model: str, tokenizer_dir: Path | None) -> Any:
-    """The ``http`` engine of an ``http:URL[#MODEL]`` spec (the tokenizer from ``tokenizer_dir``,
-    else the one the server serves)."""
-    from anchor_rl.rollout.http import connect, load_tokenizer
-    from anchor_rl.rollout.spec import bare_url
-
-    if why := bare_url(model):  # http://... starts with "http:" too
-        raise typer.BadParameter(why, param_hint="--model")
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
-        return connect(model, tokenizer)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from exc
 
 
 def _served_key(engine: Any, params: SamplingParams, task_id: str, seed: int) -> AnchorKey:
@@ -454,11 +435,12 @@ def keys_command(
 
 def _teacher(
     spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
-) -> Teacher:
-    from anchor_rl.anchors.teachers import TEACHER_SEED, make_teacher
+) -> Teacher | None:
+    from anchor_rl.methods.pvpo import pvpo_teacher
+    from anchor_rl.methods.pvpo_config import PVPOConfig
     from anchor_rl.rollout.spec import frozen, load_spec
 
-    def load_model(target: str):
+    def load_teacher(target: str):
         model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)
         return frozen(model), tokenizer
 
@@ -468,11 +450,10 @@ def _teacher(
             "reference is served (http:); use oracle, hf:MODEL or http:URL",
             param_hint="--teacher",
         )
+    # the trainer's teacher: one key for both (make_teacher checks the spec, not pydantic)
+    pc = PVPOConfig.model_construct(teacher=spec, teacher_model=teacher_model, teacher_tries=tries)
     try:
-        return make_teacher(
-            spec, s.task, s.tokenizer, s.model, s.params, load_model=load_model, tries=tries,
-            seed=TEACHER_SEED, teacher_model=teacher_model,  # the trainer's: one key for both
-        )  # fmt: skip
+        return pvpo_teacher(pc, s.task, s.tokenizer, s.model, s.params, load_teacher)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--teacher") from None
 

@@ -13,7 +13,13 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from anchor_rl.cli.options import ThreadsOption, parse_task_kwargs, use_threads
+from anchor_rl.cli.options import (
+    ThreadsOption,
+    load_model,
+    parse_task_kwargs,
+    served,
+    use_threads,
+)
 
 
 def eval_command(
@@ -159,38 +165,20 @@ def _engine(
     """The engine a ``--model`` names, its tokenizer, and the model directory (None unless
     ``model`` is one): ``http:URL`` samples through the ``http`` engine, anything else loads
     with ``load_spec`` and samples in this process."""
-    from anchor_rl.errors import AnchorRLError
     from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import bare_url, load_spec
+    from anchor_rl.rollout.spec import bare_url
 
     if why := bare_url(model):  # http://... starts with "http:" too
         raise typer.BadParameter(why, param_hint="--model")
     if model.startswith("http:"):
-        from anchor_rl.rollout.http import connect, load_tokenizer
-
         if adapter is not None:
             raise typer.BadParameter(
                 "--adapter applies to a model loaded here; load the adapter into the server "
                 "instead (anchor-rl serve --adapter)",
                 param_hint="--adapter",
             )
-        try:
-            tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-            engine = connect(model, tok)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--model") from exc
+        engine = served(model, tokenizer)
         return engine, engine.tokenizer, None
-    try:
-        policy, tok = load_spec(model, task, task_kwargs, seed, device)
-    except (ValueError, AnchorRLError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    policy, tok = load_model(model, task, task_kwargs, seed, device, adapter)
     where = Path(model) if (Path(model) / "config.json").is_file() else None
-    if adapter is not None:
-        from anchor_rl.models.lora import load_adapter, merge_adapter
-
-        try:
-            policy = merge_adapter(load_adapter(policy, adapter))
-        except AnchorRLError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--adapter") from exc
-        where = adapter
-    return make_engine("hf", policy, tok), tok, where
+    return make_engine("hf", policy, tok), tok, adapter if adapter is not None else where

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -51,3 +52,45 @@ def parse_task_kwargs(text: str | None, hint: str = "--task-kwargs") -> dict[str
     if not isinstance(value, dict):
         raise typer.BadParameter("must be a JSON object like '{\"key\": 1}'", param_hint=hint)
     return value
+
+
+def load_model(
+    model: str,
+    task: str,
+    task_kwargs: dict[str, Any],
+    seed: int,
+    device: str,
+    adapter: Path | str | None = None,
+) -> tuple[Any, Any]:
+    """The policy and tokenizer a ``--model`` spec loads (``load_spec``), a LoRA ``--adapter``
+    merged into its weights; ``typer.BadParameter`` naming the option at fault."""
+    from anchor_rl.errors import AnchorRLError
+    from anchor_rl.rollout.spec import load_spec
+
+    try:
+        policy, tokenizer = load_spec(model, task, task_kwargs, seed, device)
+    except (ValueError, AnchorRLError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    if adapter is not None:
+        from anchor_rl.models.lora import load_adapter, merge_adapter
+
+        try:
+            policy = merge_adapter(load_adapter(policy, adapter))
+        except AnchorRLError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--adapter") from exc
+    return policy, tokenizer
+
+
+def served(model: str, tokenizer_dir: Path | None) -> Any:
+    """The ``http`` engine of an ``http:URL[#MODEL]`` spec (the tokenizer from ``tokenizer_dir``,
+    else the one the server serves); ``typer.BadParameter`` naming ``--model``."""
+    from anchor_rl.rollout.http import connect, load_tokenizer
+    from anchor_rl.rollout.spec import bare_url
+
+    if why := bare_url(model):  # http://... starts with "http:" too
+        raise typer.BadParameter(why, param_hint="--model")
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        return connect(model, tokenizer)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc

@@ -56,24 +56,13 @@ def serve_command(
     import torch
     import uvicorn
 
-    from anchor_rl.cli.options import default_threads, parse_task_kwargs
-    from anchor_rl.errors import AnchorRLError
-    from anchor_rl.rollout.spec import load_spec
+    from anchor_rl.cli.options import default_threads, load_model, parse_task_kwargs
     from anchor_rl.serve.app import build_app
     from anchor_rl.serve.model import ModelServer
 
     torch.set_num_threads(default_threads())
-    try:
-        policy, tokenizer = load_spec(model, task, parse_task_kwargs(task_kwargs), seed, device)
-    except (ValueError, AnchorRLError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--model") from exc
-    if adapter is not None:
-        from anchor_rl.models.lora import load_adapter, merge_adapter
-
-        try:
-            policy = merge_adapter(load_adapter(policy, adapter))
-        except AnchorRLError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--adapter") from exc
+    kwargs = parse_task_kwargs(task_kwargs)
+    policy, tokenizer = load_model(model, task, kwargs, seed, device, adapter)
     server = ModelServer(policy, tokenizer, name or model, max_batch=max_batch)
     app = build_app(server, max_batch, batch_wait_ms)
 

@@ -405,7 +405,3 @@ def _check_int(name: str, value: Any, least: int) -> None:
 def _check_number(name: str, value: Any) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
         raise ValueError(f"rollout.engine_args.{name} must be a number >= 0, got {value!r}")
-
-
-ray_engine = RayEngine
-"""The ``ray`` engine's factory: the class itself (registered above)."""

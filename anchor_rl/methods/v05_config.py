@@ -19,7 +19,7 @@ from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.section import Section
 
-PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history"]
+PriorName = Literal["anchor", "history", "knn", "anchor+history", "knn+history", "perfect"]
 
 ANCHOR_KNOBS = ("m", "prompts", "store", "presample_batch", "presample_seed")
 """The ``pvpo`` knobs V0.5's anchor prior reads (the presampling of the static anchors)."""
@@ -34,20 +34,17 @@ def check_reward_range(value: tuple[float, float]) -> tuple[float, float]:
     return value
 
 
-class V05Config(Section):
-    """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model and the rollout
-    budget; `rollout.n` is k_init."""
-
-    method: ClassVar[str] = "V0.5"
-    enable: ClassVar[str] = "advantage.estimator=v05"
-    unused: ClassVar[str] = "advantage.estimator={est} is not V0.5"
+class V05Knobs(Section):
+    """The V0.5 knobs every host reads: the prior, the fusion's noise model and the rollout
+    budget (the verl plug-in's ``v05`` section builds on them)."""
 
     prior: PriorName = "anchor+history"
     """The prior V: `anchor` (PVPO's static anchor: the reference's mean reward over `pvpo.m`
     presampled rollouts, stored in `pvpo.store`), `history` (per-prompt Beta posterior over the
     policy's own rollouts, base 1/2), `knn` (neighbours of the prompt in the policy's embedding
     space over recent outcomes), `anchor+history` / `knn+history` (the history posterior layered
-    on that base)."""
+    on that base), `perfect` (a bound, not a prior: each step, the mean reward of
+    `perfect.samples` extra samples of the current policy, not counted in rollouts/total)."""
     sigma2: Literal["worst", "prior"] = "worst"
     """Per-rollout reward variance of the fusion: `worst` ((hi - lo)/2)^2 (the paper's 1 for +-1
     rewards), `prior` the Bernoulli variance at the prior (V - lo)(hi - V)."""
@@ -65,17 +62,27 @@ class V05Config(Section):
     """`history` prior: weight of the base prior's prediction, in rollouts."""
     history_gamma: float = Field(0.95, gt=0, le=1)
     """`history` prior: per-step forgetting of past evidence (1 keeps everything)."""
+
+    @field_validator("reward_range")
+    @classmethod
+    def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        return check_reward_range(value)
+
+
+class V05Config(V05Knobs):
+    """V0.5 (`advantage.estimator = "v05"`): the prior, the fusion's noise model and the rollout
+    budget; `rollout.n` is k_init."""
+
+    method: ClassVar[str] = "V0.5"
+    enable: ClassVar[str] = "advantage.estimator=v05"
+    unused: ClassVar[str] = "advantage.estimator={est} is not V0.5"
+
     knn_window: int = Field(256, gt=0)
     """`knn` prior: recent (prompt, mean reward) pairs in its context."""
     knn_top_k: int = Field(16, gt=0)
     """`knn` prior: neighbours per prediction."""
     knn_temperature: float = Field(0.1, gt=0)
     """`knn` prior: kernel temperature over cosine similarity."""
-
-    @field_validator("reward_range")
-    @classmethod
-    def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        return check_reward_range(value)
 
     def errors(self, pvpo: PVPOConfig, *, n: int, budget: str, overlong_cache: float) -> list[str]:
         """The settings of a V0.5 run that cannot mean what the user thinks (empty: none).

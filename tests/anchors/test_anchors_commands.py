@@ -106,10 +106,11 @@ def test_presample_command_resumes_and_filter_reads_its_key(tmp_path, monkeypatc
 
     # another anchor seed still seeds the teacher as the trainer does (one teacher key)
     from anchor_rl.anchors import teachers
+    from anchor_rl.methods import pvpo  # the trainer's pvpo_teacher builds the CLI's teacher
 
     seeds, make = [], teachers.make_teacher
     monkeypatch.setattr(
-        teachers, "make_teacher", lambda *a, **k: seeds.append(k["seed"]) or make(*a, **k)
+        pvpo, "make_teacher", lambda *a, **k: seeds.append(k["seed"]) or make(*a, **k)
     )
     assert runner.invoke(app, ["presample", *args, "--seed", "3"]).exit_code == 0
     out = runner.invoke(app, ["anchors", "filter", *common, "--seed", "3", "--teacher", "oracle"])

@@ -3,6 +3,8 @@ the rotary embedding, a layer through its modules and a layer on prepared weight
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import llama_variants
@@ -20,14 +22,14 @@ from anchor_rl.models.llama import (
 )
 from anchor_rl.models.packed import PackedProduct
 from anchor_rl.models.tokenizer import build_tokenizer
-from anchor_rl.rollout.engine import cast_parameters, copy_module
+from anchor_rl.rollout.engine import cast_parameters
 
 MODELS = llama_variants(build_tokenizer())
 
 
 def cast_copy(model, dtype: torch.dtype):
     """A copy of ``model`` with ``dtype`` parameters, as the bf16 sampler holds it."""
-    return cast_parameters(copy_module(model), dtype)
+    return cast_parameters(copy.deepcopy(model), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

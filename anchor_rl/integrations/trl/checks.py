@@ -22,7 +22,6 @@ __all__ = [
     "check_layout",
     "eval_parts",
     "eval_records",
-    "non_default",
     "section",
 ]
 
@@ -61,12 +60,6 @@ def section(cls: type[Section], value: Section | Mapping[str, Any] | None, name:
             lines.append(f"{where}: unknown key" if err["type"] == "extra_forbidden" else
                          f"{where}: {msg} (got {err['input']!r})")  # fmt: skip
         raise ConfigError("; ".join(lines)) from None
-
-
-def non_default(cfg: BaseModel, fields: Sequence[str]) -> list[str]:
-    """The ``fields`` of ``cfg`` whose value differs from the section's default."""
-    default = type(cfg)()
-    return [f for f in fields if getattr(cfg, f) != getattr(default, f)]
 
 
 def check_grpo_args(

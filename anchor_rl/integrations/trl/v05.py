@@ -15,7 +15,8 @@ from anchor_rl.algos.registry import compute_advantage
 from anchor_rl.anchors.priors import HistoryPrior, prompt_embeddings
 from anchor_rl.errors import ConfigError
 from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer
-from anchor_rl.integrations.trl.checks import UnsupportedFeatureError, non_default, section
+from anchor_rl.integrations.trl.checks import UnsupportedFeatureError, section
+from anchor_rl.methods.knobs import changed
 from anchor_rl.methods.pvpo import AnchorSet
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.methods.v05 import V05Step, build_prior, check_rewards, uses_anchors, uses_embeddings
@@ -165,14 +166,14 @@ def _check_v05(vc: V05Config, pvpo_given: bool, pc: PVPOConfig, budget: str) -> 
         )
     if budget != "fixed":
         raise ConfigError(f"budget={budget!r}: choose 'fixed' ('adaptive' is not offered)")
-    if non_default(vc, ["top_up_rounds"]):
+    if changed(vc, ("top_up_rounds",)):
         raise ConfigError("v05.top_up_rounds sizes top-ups, which the TRL plug-in does not sample")
     if pvpo_given and not uses_anchors(vc):
         raise ConfigError(
             f"pvpo with v05.prior={vc.prior!r}: nothing presamples; drop pvpo, or an anchor prior"
         )
     read = ("m", "store", "presample_batch", "presample_seed")
-    extra = non_default(pc, [f for f in PVPOConfig.model_fields if f not in read])
+    extra = changed(pc, tuple(f for f in PVPOConfig.model_fields if f not in read))
     if extra:
         raise ConfigError(
             f"pvpo.{', pvpo.'.join(extra)}: V05GRPOTrainer reads pvpo.m, pvpo.store, "
