@@ -30,6 +30,7 @@ from anchor_rl.anchors.keys import (
     sampling_settings,
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.progress import Progress
 from anchor_rl.rollout.engine import Engine, group_requests
 from anchor_rl.tasks.base import Record, Task
@@ -74,8 +75,13 @@ def presample(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    keep_rollouts: bool = False,
 ) -> PresampleResult:
     """Make sure every record has at least ``m`` rollouts stored under ``key``.
+
+    keep_rollouts: also keep the rollouts themselves (``AnchorStore.put_rollouts``, in the
+    transaction of their statistics); needs a sampler with ``last`` (:class:`RolloutSampler`
+    made with ``keep=True``).
 
     Records are sampled ``batch_size`` prompts per sampler call (``batch_size * need``
     responses); each call's statistics are stored in one transaction. Records that
@@ -96,7 +102,9 @@ def presample(
         dupes = sorted(i for i, c in Counter(ids).items() if c > 1)
         raise ValueError(f"duplicate record ids: {dupes[:5]}")
     with _exclusive(store, key):
-        return _presample(records, sampler, store, key, m, batch_size, seed, progress)
+        return _presample(
+            records, sampler, store, key, m, batch_size, seed, progress, keep_rollouts
+        )
 
 
 @contextmanager
@@ -136,6 +144,7 @@ def _presample(
     batch_size: int,
     seed: int,
     progress: bool,
+    keep_rollouts: bool = False,
 ) -> PresampleResult:
     ids = [r.id for r in records]
     have = {pid: s.n for pid, s in store.get_anchors(key, ids).items()}
@@ -157,7 +166,10 @@ def _presample(
                         f"the sampler returned rewards of shape {tuple(rewards.shape)}, expected {(len(batch), need)}"
                     )
                 rollouts += len(batch) * need
-                discarded += _store_unraced(store, key, batch, have, rewards, correct)
+                kept = getattr(sampler, "last", None) if keep_rollouts else None
+                if keep_rollouts and kept is None:
+                    raise ValueError("keep_rollouts needs a sampler that keeps its last batch")
+                discarded += _store_unraced(store, key, batch, have, rewards, correct, kept)
                 bar.update(advance=len(batch), info=f"{rollouts} rollouts")
     return PresampleResult(
         key=key.digest,
@@ -175,17 +187,29 @@ def _store_unraced(
     have: dict[str, int],
     rewards: Tensor,
     correct: Tensor,
+    rollouts: RolloutBatch | None = None,
 ) -> int:
     """Store a batch's rollouts, except prompts another writer updated meanwhile; returns how many.
 
     The check and the write are one transaction (which holds the write lock), so two
-    processes presampling the same key never merge the same prompt twice.
+    processes presampling the same key never merge the same prompt twice. ``rollouts``
+    (group i: ``batch[i]``'s rows) are kept too, in the same transaction.
     """
     with store.batch():
         now = {pid: s.n for pid, s in store.get_anchors(key, [r.id for r in batch]).items()}
         fresh = [i for i, r in enumerate(batch) if now.get(r.id, 0) == have.get(r.id, 0)]
         if fresh:
             store.add_rollouts(key, [batch[i].id for i in fresh], rewards[fresh], correct[fresh])
+        if fresh and rollouts is not None:
+            rows = torch.isin(rollouts.group, torch.tensor(fresh)).nonzero().flatten()
+            kept = rollouts.select(rows)
+            kept = dataclasses.replace(
+                kept, group=torch.searchsorted(torch.tensor(fresh), kept.group)
+            )
+            store.put_rollouts(
+                key, [batch[i].id for i in fresh], [have.get(batch[i].id, 0) for i in fresh],
+                kept, rewards[fresh], correct[fresh],
+            )  # fmt: skip
     return len(batch) - len(fresh)
 
 
@@ -230,9 +254,13 @@ class RolloutSampler:
     tools and instruction; ``reward`` and ``correct`` are the task's verdicts on each text.
     """
 
-    def __init__(self, engine: Engine, task: Task, params: SamplingParams) -> None:
-        self.engine, self.task = engine, task
+    def __init__(
+        self, engine: Engine, task: Task, params: SamplingParams, keep: bool = False
+    ) -> None:
+        self.engine, self.task, self.keep = engine, task, keep
         self.params = task_params(params, task)
+        self.last: RolloutBatch | None = None
+        """With ``keep``: the rollouts of the last call (group i: ``records[i]``)."""
 
     def __call__(
         self, records: Sequence[Record], n: int, first: Sequence[int], seed: Hashable
@@ -253,6 +281,7 @@ class RolloutSampler:
             rewards[g, seen[g]] = self.task.reward(text, record)
             correct[g, seen[g]] = self.task.correct(text, record)
             seen[g] += 1
+        self.last = batch if self.keep else None
         return rewards, correct
 
 

@@ -13,10 +13,15 @@ Two kinds of rows, both filed under the digest of an :class:`~anchor_rl.anchors.
   topped up from M to 2M rollouts without redoing the first M.
 - ``trajectories``: one teacher outcome per prompt: a correct trajectory in the policy's
   token ids with the teacher's per-token log-probs, or a record that the teacher failed.
+- ``rollouts``: the reference's rollouts themselves (tokens, the log-probs they were
+  sampled with, text, reward), rollout ``j`` of a prompt, kept only where a run asks
+  (``pvpo.reuse_presample``: they train as the prompt's first group). Written in the same
+  transaction as the statistics they are part of.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sqlite3
@@ -32,6 +37,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.anchors.keys import AnchorKey, canonical_json
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.errors import AnchorRLError
 
 SCHEMA_VERSION = 1
@@ -73,6 +79,16 @@ CREATE TABLE IF NOT EXISTS trajectories (
     PRIMARY KEY (key, prompt_id),
     CHECK (solved = 0 OR (text IS NOT NULL AND token_ids IS NOT NULL
                           AND logprobs IS NOT NULL AND loss_mask IS NOT NULL))
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rollouts (
+    key TEXT NOT NULL REFERENCES keys(digest),
+    prompt_id TEXT NOT NULL,
+    j INTEGER NOT NULL CHECK (j >= 0),
+    reward REAL NOT NULL,
+    correct INTEGER NOT NULL CHECK (correct IN (0, 1)),
+    data BLOB NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (key, prompt_id, j)
 ) WITHOUT ROWID;
 """
 
@@ -448,6 +464,55 @@ class AnchorStore:
                 out[row[0]] = _trajectory(row) if row[1] else None
         return out
 
+    # -- reference rollouts -----------------------------------------------------------
+
+    def put_rollouts(
+        self,
+        key: AnchorKey,
+        prompt_ids: Sequence[str],
+        first: Sequence[int],
+        batch: RolloutBatch,
+        rewards: Tensor,
+        correct: Tensor,
+    ) -> None:
+        """Keep the rollouts of P prompts, in one transaction: ``batch`` holds k rows per
+        prompt, group ``i`` for ``prompt_ids[i]`` in request order, its row ``j`` the
+        prompt's rollout ``first[i] + j``; ``rewards[P, k]``, ``correct[P, k]`` their scores."""
+        seen = [0] * len(prompt_ids)
+        now, rows = time.time(), []
+        for r, g in enumerate(batch.group.tolist()):
+            j = seen[g]
+            seen[g] += 1
+            rows.append((
+                key.digest, str(prompt_ids[g]), int(first[g]) + j, float(rewards[g, j]),
+                int(bool(correct[g, j])), _row_blob(batch, r), now,
+            ))  # fmt: skip
+        with self.batch():
+            self.register(key)
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO rollouts VALUES (?, ?, ?, ?, ?, ?, ?)", rows
+            )
+
+    def get_rollouts(
+        self, key: AnchorKey | str, prompt_id: str, n: int
+    ) -> tuple[RolloutBatch, Tensor] | None:
+        """Rollouts ``0 .. n-1`` of ``prompt_id`` kept under ``key`` as one batch (group 0,
+        right-padded) and their rewards ``[n]``; None unless all ``n`` are kept."""
+        found = self._conn.execute(
+            "SELECT reward, data FROM rollouts WHERE key = ? AND prompt_id = ? AND j < ?"
+            " ORDER BY j",
+            (_digest(key), str(prompt_id), n),
+        ).fetchall()
+        if len(found) < n:
+            return None
+        batch = RolloutBatch.cat([_row_batch(blob) for _, blob in found])
+        return batch, torch.tensor([reward for reward, _ in found], dtype=torch.float32)
+
+    def rollout_count(self, key: AnchorKey | str) -> int:
+        """Reference rollouts kept under ``key``."""
+        row = self._conn.execute("SELECT COUNT(*) FROM rollouts WHERE key = ?", (_digest(key),))
+        return int(row.fetchone()[0])
+
     # -- inspection -------------------------------------------------------------------
 
     def rows(
@@ -521,6 +586,35 @@ class AnchorStore:
                 f"cannot tell the export format of {out}: use a .jsonl or .parquet file name"
             )
         return len(rows)
+
+
+def _row_blob(batch: RolloutBatch, row: int) -> bytes:
+    """Row ``row`` of ``batch``, cut to its width, as ``torch.save`` bytes."""
+    one = batch.select([row]).trimmed()
+    data = {
+        "prompt_ids": torch.tensor(one.prompt_ids[0], dtype=torch.long),
+        "response_ids": one.response_ids[0], "attention_mask": one.attention_mask[0],
+        "loss_mask": one.loss_mask[0], "logprobs": one.logprobs[0].float(),
+        "tool_calls": one.tool_calls[0], "truncated": one.truncated[0],
+        "pad_id": torch.tensor(one.pad_id), "text": torch.tensor(list(one.texts[0].encode()), dtype=torch.uint8),
+    }  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    return buffer.getvalue()
+
+
+def _row_batch(blob: bytes) -> RolloutBatch:
+    """A one-row batch (group 0) from :func:`_row_blob`'s bytes."""
+    d = torch.load(io.BytesIO(blob), weights_only=True)
+    return RolloutBatch(
+        group=torch.zeros(1, dtype=torch.long),
+        prompt_ids=[d["prompt_ids"].tolist()],
+        response_ids=d["response_ids"][None], attention_mask=d["attention_mask"][None],
+        loss_mask=d["loss_mask"][None], logprobs=d["logprobs"][None],
+        texts=[bytes(d["text"].tolist()).decode()],
+        tool_calls=d["tool_calls"][None], truncated=d["truncated"][None],
+        pad_id=int(d["pad_id"]),
+    )  # fmt: skip
 
 
 def _key_fields(values: Sequence[Any]) -> dict[str, Any]:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -46,6 +47,7 @@ from anchor_rl.anchors.presample import (
 )
 from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory
 from anchor_rl.anchors.teachers import TEACHER_SEED, Teacher, make_teacher
+from anchor_rl.batch import RolloutBatch
 from anchor_rl.methods.groups import last_rows
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.rollout.engine import make_engine
@@ -220,17 +222,14 @@ def presample_set(
     """
     started = time.perf_counter()
     key = presample_key(reference, tokenizer, params, task_id, seed=seed)
-    name, options = engine
-    sampler = RolloutSampler(make_engine(name, reference, tokenizer, **options), task, params)
+    sampler = reference_sampler(reference, tokenizer, task, params, engine)
     records = list(records)
     walked, passed, results = 0, 0, []
     stats: dict[str, AnchorStat] = {}
     while walked < len(records) and (target is None or passed < target):
         size = len(records) if target is None else _chunk(target - passed, passed, walked, pc)
         chunk = records[walked : walked + size]
-        results.append(
-            presample(chunk, sampler, store, key, pc.m, pc.presample_batch, seed, progress)
-        )
+        results.append(presample_rounds(chunk, sampler, store, key, pc, seed, progress))
         new = store.get_anchors(key, [r.id for r in chunk])
         stats |= new
         passed += sum(keep(new[r.id]) for r in chunk)
@@ -240,6 +239,263 @@ def presample_set(
         store, key, params, sampler, records, stats, _merged(key, results),
         time.perf_counter() - started, target=target,
     )  # fmt: skip
+
+
+def reference_sampler(
+    reference: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    params: SamplingParams,
+    engine: tuple[str, Mapping[str, Any]] = ("hf", {}),
+    keep: bool = False,
+) -> RolloutSampler:
+    """The reference's presampling sampler through the engine ``engine = (name, options)``;
+    ``keep``: it keeps its last call's rollouts (``pvpo.reuse_presample``)."""
+    name, options = engine
+    engine_ = make_engine(name, reference, tokenizer, **options)
+    return RolloutSampler(engine_, task, params, keep=keep)
+
+
+Decide = Callable[[Sequence[Record], Mapping[str, AnchorStat]], FilterResult | None]
+"""``decide(records, stats)``: group sampling of freshly presampled ``records``
+(:func:`group_filter` with the run's teacher), or None to keep every record."""
+
+
+@dataclass
+class LazyWalk:
+    """Presampling as a run draws (``pvpo.presample = "lazy"``): the walk's prompts are
+    presampled when the run first needs them, and group sampling decides on them then.
+
+    The training pool is the walk's prompts that group sampling keeps, in walk order, up to
+    ``target`` (None: every one). :meth:`extend` walks exactly as many new prompts as are
+    missing (a dropped prompt is replaced by the next of the walk), presampling them in one
+    sampler call per round (:func:`presample_rounds`), each call's rows stored in one
+    transaction. The pool after
+    ``extend(k)`` is a function of the walk and the stored statistics alone, so a resumed
+    run that extends to its cursor re-reads every row and samples nothing; a run killed
+    after presampling a step's prompts finds them in the store on resume.
+
+    kept: the pool so far; stats: prompt id -> statistics of every walked prompt;
+    walked: prompts of ``walk`` walked so far; trajectories: teacher trajectories of kept
+    accuracy-0 prompts; teacher_rollouts: a model teacher's generations behind the walked
+    prompts' outcomes (cached ones included); sampled_now: reference rollouts this process
+    sampled.
+    """
+
+    store: AnchorStore
+    key: AnchorKey
+    params: SamplingParams
+    sampler: Sampler
+    walk: list[Record]
+    pc: PVPOConfig
+    """``pvpo.m``, the rounds (``m_min``, ``round_size``, ``se_max``), ``presample_batch``."""
+    target: int | None
+    decide: Decide
+    seed: int = PRESAMPLE_SEED
+    keep_rollouts: bool = False
+    """Keep the presampled rollouts themselves in the store (``pvpo.reuse_presample``)."""
+
+    def __post_init__(self) -> None:
+        self.kept: list[Record] = []
+        self.stats: dict[str, AnchorStat] = {}
+        self.trajectories: dict[str, TeacherTrajectory] = {}
+        self.walked = self.teacher_rollouts = self.sampled_now = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether the pool is final: the target is reached or the walk ran out."""
+        full = self.target is not None and len(self.kept) >= self.target
+        return full or self.walked >= len(self.walk)
+
+    @property
+    def rollouts(self) -> int:
+        """Reference rollouts the walked prompts' anchors rest on (kept or not)."""
+        return sum(stat.n for stat in self.stats.values())
+
+    def extend(self, size: int) -> int:
+        """Walk until the pool holds ``size`` prompts (or is final); returns the reference
+        rollouts sampled now (0 when the store held every walked prompt)."""
+        before = self.sampled_now
+        while len(self.kept) < size and not self.done:
+            want = size - len(self.kept)
+            if self.target is not None:
+                want = min(want, self.target - len(self.kept))
+            chunk = self.walk[self.walked : self.walked + want]
+            self.walked += len(chunk)
+            self._take(chunk)
+        return self.sampled_now - before
+
+    def _take(self, chunk: Sequence[Record]) -> None:
+        """Presample ``chunk`` (one sampler call) and let group sampling decide on it."""
+        batch = max(self.pc.presample_batch, len(chunk))
+        result = presample_rounds(
+            chunk, self.sampler, self.store, self.key, self.pc, self.seed,
+            keep_rollouts=self.keep_rollouts, batch_size=batch,
+        )  # fmt: skip
+        self.sampled_now += result.rollouts
+        new = self.store.get_anchors(self.key, [r.id for r in chunk])
+        self.stats |= new
+        decided = self.decide(chunk, new)
+        if decided is None:
+            self.kept += chunk
+            return
+        self.kept += decided.records
+        self.trajectories |= decided.trajectories
+        self.teacher_rollouts += decided.stats.teacher_rollouts
+
+    def first_group(self, record: Record, n: int) -> tuple[RolloutBatch, Tensor] | None:
+        """The first ``n`` presampled rollouts of ``record`` kept in the store (one group,
+        rows ``0 .. n-1``) and their rewards ``[n]``; None when they are not kept (rows
+        presampled by a run that did not keep them)."""
+        return self.store.get_rollouts(self.key, record.id, n)
+
+
+def leave_one_out_anchor(stat: AnchorStat, rewards: Tensor) -> Tensor:
+    """FloatTensor[k]: the anchor of each of ``k`` rows that are themselves presampled
+    rollouts of the prompt (rewards ``[k]``, part of ``stat``): the mean reward of the
+    prompt's other ``stat.n - 1`` presampled rollouts, so a row's own reward is not in its
+    baseline (with the full mean ``V_sta`` the advantage ``r - V_sta`` of such a row would be
+    shrunk by ``1 - 1/n`` in expectation)."""
+    if stat.n < 2:
+        raise ValueError(f"prompt {stat.prompt_id}: a leave-one-out anchor needs n >= 2")
+    return ((stat.reward_sum - rewards.double()) / (stat.n - 1)).float()
+
+
+@dataclass
+class PooledAnchors:
+    """``pvpo.anchor_update = "pooled"``: a prompt's baseline pools its presampled rollouts
+    with the policy's rollouts of every draw of it so far, leave-one-out.
+
+    For a group of prompt x, row i's baseline is ``(S - r_i) / (N - 1)`` over the pool of the
+    reference's ``stat.n`` rewards, the policy's rewards of x's earlier draws and this group's
+    own policy rows (``fresh``), the row itself left out when it is in the pool (a policy row,
+    or a reused presampled row, which is one of ``stat.n``); a teacher row, in no pool, gets
+    ``S / N``. After the step, the group's fresh rewards join x's pool (:meth:`add`).
+
+    sums: prompt id -> (count, reward sum) of the policy's rewards of its earlier draws.
+    """
+
+    sums: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def baselines(
+        self,
+        stats: Mapping[str, AnchorStat],
+        ids: Sequence[str],
+        group: Tensor,
+        rewards: Tensor,
+        fresh: Tensor,
+        reused: Tensor,
+    ) -> Tensor:
+        """FloatTensor[B]: the baseline of each row. ids[G]: the groups' prompts; group[B],
+        rewards[B] (task rewards); fresh[B]: the policy's rows sampled now; reused[B]: rows
+        that are presampled rollouts (part of ``stats``)."""
+        out = torch.empty(len(group), dtype=torch.float64)
+        r = rewards.double()
+        for g, pid in enumerate(ids):
+            rows = group == g
+            n_prev, s_prev = self.sums.get(pid, (0, 0.0))
+            mine = rows & fresh
+            n = stats[pid].n + n_prev + int(mine.sum())
+            total = stats[pid].reward_sum + s_prev + float(r[mine].sum())
+            out[rows] = total / n
+            own = rows & (fresh | reused)
+            out[own] = (total - r[own]) / (n - 1)
+        return out.float()
+
+    def add(self, ids: Sequence[str], group: Tensor, rewards: Tensor, fresh: Tensor) -> None:
+        """Pool the ``fresh`` rows' rewards (``[B]``) into their prompts' sums."""
+        for g, pid in enumerate(ids):
+            mine = (group == g) & fresh
+            n_prev, s_prev = self.sums.get(pid, (0, 0.0))
+            self.sums[pid] = (
+                n_prev + int(mine.sum()),
+                s_prev + float(rewards[mine].double().sum()),
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint."""
+        ids = sorted(self.sums)
+        return {
+            "ids": ids,
+            "n": torch.tensor([self.sums[i][0] for i in ids], dtype=torch.long),
+            "sum": torch.tensor([self.sums[i][1] for i in ids], dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.sums = {
+            pid: (int(n), float(total))
+            for pid, n, total in zip(
+                state["ids"], state["n"].tolist(), state["sum"].tolist(), strict=True
+            )
+        }
+
+
+def anchor_se(stat: AnchorStat) -> float:
+    """The standard error of the anchor ``stat.mean``: ``sqrt(s^2 / n)``, ``s^2`` the
+    unbiased variance of the ``n`` rewards (inf for n < 2)."""
+    if stat.n < 2:
+        return math.inf
+    var = max(0.0, stat.reward_sq_sum - stat.n * stat.mean**2) / (stat.n - 1)
+    return math.sqrt(var / stat.n)
+
+
+def default_se_max(m: int) -> float:
+    """``pvpo.se_max`` when unset: ``sqrt(0.25 / M)``, the standard error M rollouts give
+    the anchor of a prompt solved half the time (the worst case of a 0/1 reward)."""
+    return math.sqrt(0.25 / m)
+
+
+def settled(stat: AnchorStat, m: int, m_min: int, se_max: float) -> bool:
+    """Whether sequential presampling stops on a prompt: at ``m`` rollouts; before, once it
+    has ``m_min`` and either all its rollouts agree (class always or never solved, as far as
+    ``m_min`` tells) or it is sometimes solved (class certain) with an anchor standard error
+    (:func:`anchor_se`) at most ``se_max``."""
+    if stat.n >= m:
+        return True
+    if stat.n < m_min:
+        return False
+    return stat.all_correct or stat.none_correct or anchor_se(stat) <= se_max
+
+
+def presample_rounds(
+    records: Sequence[Record],
+    sampler: Sampler,
+    store: AnchorStore,
+    key: AnchorKey,
+    pc: PVPOConfig,
+    seed: int,
+    progress: bool = False,
+    keep_rollouts: bool = False,
+    batch_size: int | None = None,
+) -> PresampleResult:
+    """Presample ``records`` to ``pc.m`` rollouts each, or with ``pc.m_min`` set in rounds:
+    ``m_min`` first, then ``pc.round_size`` more per round on the prompts not yet
+    :func:`settled` (``pc.se_max``, default :func:`default_se_max`), up to ``pc.m``. Every
+    draw is stored (a later run asking for more tops up), so the rounds depend only on the
+    stored statistics: a rerun samples nothing, a run killed between rounds continues."""
+    batch = batch_size or pc.presample_batch
+    if pc.m_min is None:
+        return presample(
+            records, sampler, store, key, pc.m, batch, seed, progress, keep_rollouts=keep_rollouts
+        )
+    se_max = pc.se_max if pc.se_max is not None else default_se_max(pc.m)
+    results = [
+        presample(records, sampler, store, key, pc.m_min, batch, seed, progress, keep_rollouts)
+    ]
+    while True:
+        stats = store.get_anchors(key, [r.id for r in records])
+        targets: dict[int, list[Record]] = {}
+        for r in records:
+            stat = stats[r.id]
+            if not settled(stat, pc.m, pc.m_min, se_max):
+                targets.setdefault(min(stat.n + pc.round_size, pc.m), []).append(r)
+        if not targets:
+            return _merged(key, results)
+        for target, pending in sorted(targets.items()):
+            results.append(
+                presample(pending, sampler, store, key, target, batch, seed, False, keep_rollouts)
+            )
 
 
 _WALK_STREAM = 7

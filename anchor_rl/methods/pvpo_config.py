@@ -17,6 +17,12 @@ from anchor_rl.methods.knobs import changed, no_effect
 from anchor_rl.section import Section
 
 TEACHER_KINDS = ("oracle", "oracle:reference", "hf:MODEL", "http:URL", "none")
+REUSE_KNOBS = ("reuse_correction", "reuse_tis_cap")
+NATIVE_ONLY = (
+    "presample", "reuse_presample", "reuse_correction", "reuse_tis_cap", "anchor_update",
+    "m_min", "round_size", "se_max",
+)  # fmt: skip
+"""The knobs only ``anchor-rl train`` builds (:meth:`PVPOConfig.native_only`)."""
 
 
 class PVPOConfig(Section):
@@ -70,6 +76,46 @@ class PVPOConfig(Section):
     refresh_mode: Literal["reference", "policy"] = "reference"
     """What a refresh samples: `reference` the original reference again, `policy` a snapshot of
     the current policy (the paper does not say which)."""
+    presample: Literal["upfront", "lazy"] = "upfront"
+    """When the anchors are sampled. `upfront`: before the first step, for the whole walk
+    (`pvpo.prompts`). `lazy`: a prompt's anchors when the run first draws it, in one engine
+    call per step for the step's new prompts, before the step's own rollouts; group sampling
+    decides then, and a prompt it drops is replaced by the next prompt of the walk. Rows go
+    to the store as they are sampled, so a resumed run re-reads them. Native trainer only."""
+    reuse_presample: bool = False
+    """With `pvpo.presample=lazy`: a prompt's first group is the first `rollout.n` of its M
+    presampled rollouts (kept in the store) instead of n fresh ones, trained off-policy
+    against the reference's log-probs they were sampled with (`pvpo.reuse_correction`), each
+    row against a leave-one-out anchor (the mean of the prompt's other M - 1 presampled
+    rewards). Saves n policy rollouts per first draw. Native trainer only."""
+    reuse_correction: Literal["tis", "none"] = "tis"
+    """The importance correction of reused rows, as the asynchronous path's
+    (`cluster.async_correction`): `tis` takes the ratio against the current policy and
+    weights each token's advantage by min(pi_current / pi_reference, `pvpo.reuse_tis_cap`);
+    `none` divides by the reference's log-probs (the PPO clip bounds the ratio)."""
+    reuse_tis_cap: float = Field(2.0, gt=0)
+    """The truncation of `pvpo.reuse_correction = tis`'s weights."""
+    m_min: int | None = Field(None, gt=0)
+    """Sequential presampling: each prompt gets `m_min` reference rollouts first, then
+    `pvpo.round_size` more per round until it is settled or has M: settled once all its
+    rollouts agree (class always or never solved, as far as m_min tells) or, solved
+    sometimes (class certain), once its anchor's standard error is at most `pvpo.se_max`.
+    None: M at once. Every draw is stored, so a later run asking for more tops up."""
+    round_size: int = Field(2, gt=0)
+    """Rollouts per prompt per round of sequential presampling (`pvpo.m_min`)."""
+    se_max: float | None = Field(None, gt=0)
+    """Sequential presampling's standard-error target for a sometimes-solved prompt's
+    anchor. None: sqrt(0.25 / M), what M rollouts give a prompt solved half the time."""
+    anchor_update: Literal["none", "pooled"] = "none"
+    """`none`: a prompt's baseline is its stored anchor V_sta. `pooled`: the policy's rollouts
+    of every draw of the prompt join its presampled ones in one running pool, and each row's
+    baseline is the pool's mean without the row itself (leave-one-out); a teacher row, not
+    in the pool, gets the whole pool's mean. Native trainer only."""
+
+    @field_validator("reuse_correction", "anchor_update", mode="before")
+    @classmethod
+    def _none_is_a_correction(cls, value: object) -> object:
+        return "none" if value is None else value  # `pvpo.X=none` parses as None
 
     @field_validator("prompts")
     @classmethod
@@ -96,6 +142,18 @@ class PVPOConfig(Section):
             )
         return self
 
+    def native_only(self, host: str) -> str | None:
+        """The error another ``host`` (TRL, verl) raises when this section sets a knob only
+        the native trainer builds (:data:`NATIVE_ONLY`); None when none is set."""
+        names = changed(self, NATIVE_ONLY)
+        if not names:
+            return None
+        return (
+            f"pvpo.{', pvpo.'.join(names)}: built in anchor-rl train only, not in {host} "
+            "(lazy presampling, reused presampled rollouts, pooled anchors and sequential "
+            "presampling: docs/pvpo.md); drop them"
+        )
+
     def errors(self, *, group: bool, n: int, top_p: float) -> list[str]:
         """The settings of a run with PVPO that cannot mean what the user thinks (empty: none).
 
@@ -118,6 +176,34 @@ class PVPOConfig(Section):
         if not self.refresh_every and changed(self, ("refresh_mode",)):
             why = "pvpo.refresh_every=0 never refreshes"
             errors.append(no_effect("pvpo", ["refresh_mode"], why))
+        if self.presample == "lazy" and self.refresh_every:
+            errors.append(
+                "pvpo.presample=lazy with pvpo.refresh_every: a refresh re-estimates the anchors "
+                "of the prompts drawn so far, and those drawn later would have none under the "
+                "refresh key (not built); use pvpo.presample=upfront or pvpo.refresh_every=0"
+            )
+        if self.reuse_presample and self.presample != "lazy":
+            errors.append(
+                "pvpo.reuse_presample needs pvpo.presample=lazy (the presampled rollouts are "
+                "kept as each prompt is first drawn)"
+            )
+        if self.reuse_presample and not (n <= self.m and self.m >= 2):
+            errors.append(
+                f"pvpo.reuse_presample takes a prompt's first group of rollout.n={n} from its "
+                f"pvpo.m={self.m} presampled rollouts, each row against the mean of the other "
+                "M - 1: it needs rollout.n <= pvpo.m and pvpo.m >= 2"
+            )
+        if self.m_min is not None and self.m_min > self.m:
+            errors.append(f"pvpo.m_min={self.m_min} is above pvpo.m={self.m}")
+        if self.m_min is None and (names := changed(self, ("round_size", "se_max"))):
+            errors.append(no_effect("pvpo", names, "pvpo.m_min is not set (M at once)"))
+        if self.reuse_presample and self.m_min is not None and self.m_min < n:
+            errors.append(
+                f"pvpo.reuse_presample takes rollout.n={n} presampled rollouts per prompt: "
+                f"pvpo.m_min={self.m_min} must be at least that"
+            )
+        if not self.reuse_presample and (names := changed(self, REUSE_KNOBS)):
+            errors.append(no_effect("pvpo", names, "pvpo.reuse_presample is off"))
         if group and self.teacher is not None and n < 2:
             errors.append(
                 f"rollout.n=1 with pvpo.teacher={self.teacher}: a teacher trajectory replaces "

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from anchor_rl.tasks.base import Record, Task
     from anchor_rl.trainer.collect import Scored
     from anchor_rl.trainer.config import TrainConfig
+    from anchor_rl.trainer.data import PromptSampler
     from anchor_rl.trainer.timing import Timer
 
 
@@ -134,6 +135,11 @@ class Component:
         """The prompts the run trains on, given the ones it would train on without this
         component (PVPO's group sampling drops some)."""
         return records
+
+    def prompt_stream(self, seed: int, consumed: int) -> PromptSampler | None:
+        """The run's prompt stream at cursor ``consumed``, when this component draws the
+        prompts itself (PVPO's lazy presampling); None: the loop's ``PromptSampler``."""
+        return None
 
     def before_step(self, index: int) -> dict[str, float]:
         """Work before step ``index`` outside its clock (a probe); returns metrics."""

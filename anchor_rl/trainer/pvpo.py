@@ -21,6 +21,7 @@ teacher's generations behind the trajectories (failed tries included) are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -48,12 +49,17 @@ from anchor_rl.anchors.teachers import (
     teacher_key,
 )
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster.asynchronous import truncated_is_weights
+from anchor_rl.errors import ConfigError
 from anchor_rl.methods.pvpo import (
     FILTER_FILE,
     AnchorSet,
+    LazyWalk,
+    PooledAnchors,
     anchor_rollouts,
     anchor_seed,
     group_sampling,
+    leave_one_out_anchor,
     pool_target,
     presample_cost_note,
     presample_set,
@@ -71,6 +77,8 @@ from anchor_rl.tasks.base import Record, Task
 from anchor_rl.trainer.collect import Scored, sampling_params, score
 from anchor_rl.trainer.component import Component, Setup, Step
 from anchor_rl.trainer.config import TrainConfig
+from anchor_rl.trainer.data import PromptSampler
+from anchor_rl.trainer.pvpo_lazy import LazyPrompts, ReusingEngine, lazy_walk
 from anchor_rl.trainer.update import token_mean
 
 _log = logging.getLogger(__name__)
@@ -133,18 +141,32 @@ def inject_teachers(
     )
 
 
-def presample_anchors(setup: Setup) -> AnchorSet:
+def presample_anchors(setup: Setup, lazy: bool = False) -> AnchorSet | LazyWalk:
     """Presample the reference ``pvpo.m`` times on the run's training prompts (rows already in
     ``pvpo.store`` under the same key are reused): those ``pvpo.prompts`` names
     (:func:`pool_target`), walked in :func:`walk_order`. A resumed run walks to the target
     it started with (``RUN_DIR/pvpo.json``), so resuming with more ``steps`` draws the same
-    prompts for more epochs."""
+    prompts for more epochs. With ``pvpo.presample = "lazy"`` nothing is sampled here: the
+    returned :class:`LazyWalk` presamples as the run draws (:class:`LazyPrompts`); only
+    the PVPO component takes one (``lazy``), other callers get a ConfigError."""
     cfg, task = setup.cfg, setup.task
     draws = cfg.steps * cfg.rollout.prompts_per_step
     target = pool_target(cfg.pvpo, draws, len(setup.records))
     if setup.resuming:
         target = _started_with(setup.run_dir, target)
     seed = anchor_seed(cfg.pvpo)
+    if cfg.pvpo.presample == "lazy":
+        if not lazy:
+            raise ConfigError(
+                "pvpo.presample=lazy is built for PVPO's own anchors only; this method reads "
+                "the anchors at run start: use pvpo.presample=upfront"
+            )
+        params = presample_params(cfg, task)
+
+        def teacher(reference: PreTrainedModel | None) -> Teacher | None:
+            return build_teacher(cfg, task, setup.tokenizer, reference, params)
+
+        return lazy_walk(setup, target, seed, params, teacher)
     records = setup.records if target is None else walk_order(setup.records, seed)
     if target is None:
         note = presample_cost_note(len(records), cfg.pvpo.m, draws, draws * cfg.rollout.n)
@@ -157,6 +179,10 @@ def presample_anchors(setup: Setup) -> AnchorSet:
         cfg.engine, cfg.log.progress, seed=seed, target=target,
         keep=trainable(cfg.pvpo, cfg.filter.kind == "group"),
     )  # fmt: skip
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _started_with(run_dir: Path, target: int | None) -> int | None:
@@ -198,13 +224,24 @@ class PVPO(Component):
 
     name = "pvpo"
 
-    def __init__(self, setup: Setup, anchor_set: AnchorSet) -> None:
+    lazy: LazyWalk | None = None
+    """The walk of a lazy-presampling run (``pvpo.presample = "lazy"``), else None."""
+
+    def __init__(self, setup: Setup, anchor_set: AnchorSet | LazyWalk) -> None:
         """Group sampling on ``anchor_set`` (with ``filter.kind = "group"``), then the anchors
         of the kept prompts. A new run writes ``RUN_DIR/pvpo.json`` (and ``pvpo_filter.json``
-        with group sampling, also printed beside the paper's distributions)."""
+        with group sampling, also printed beside the paper's distributions). A
+        :class:`LazyWalk` defers both to the run's draws (:meth:`prompt_stream`)."""
         cfg = setup.cfg
         self.cfg, self.task, self.tokenizer = cfg, setup.task, setup.tokenizer
-        self.policy, self.engine, self.set = setup.policy, setup.engine, anchor_set
+        self.policy, self.engine, self.run_dir = setup.policy, setup.engine, setup.run_dir
+        self.pooled = PooledAnchors() if cfg.pvpo.anchor_update == "pooled" else None
+        self.reusing: ReusingEngine | None = None
+        self._reused = torch.zeros(0, dtype=torch.bool)  # this step's reused rows [B]
+        if isinstance(anchor_set, LazyWalk):
+            self._start_lazy(setup, anchor_set)
+            return
+        self.set = anchor_set
         kept, self.trajectories = list(anchor_set.records), {}
         filtered = None
         if cfg.filter.kind == "group":
@@ -216,7 +253,6 @@ class PVPO(Component):
             self.trajectories = {k: t for k, t in filtered.trajectories.items() if k in ids}
         self.presample_rollouts, self.refresh_rollouts = anchor_set.rollouts, 0
         self.teacher_rollouts = 0 if filtered is None else filtered.stats.teacher_rollouts
-        self.needs_logp = bool(self.trajectories)  # the teacher-token metrics read step.logp
         self._use(anchor_set.key.digest)
         if not setup.resuming:
             write_presample_report(setup.run_dir, cfg, anchor_set, self.records, filtered)
@@ -232,6 +268,106 @@ class PVPO(Component):
                 f"{result.prompts_reused} prompts reused) -> {len(self.records)} training "
                 f"prompts; store {anchor_set.store.path}"
             )
+
+    def _start_lazy(self, setup: Setup, walk: LazyWalk) -> None:
+        """A lazy-presampling run: the pool, anchors and trajectories grow with the walk."""
+        self.lazy = walk
+        self.records, self.anchors, self.trajectories = walk.kept, walk.stats, walk.trajectories
+        self.anchor_key, self.refresh_rollouts = walk.key.digest, 0
+        self._first_draws: set[int] = set()  # stream positions served from kept rollouts
+        if self.cfg.pvpo.reuse_presample:
+            if self.cfg.cluster.async_steps:
+                raise ConfigError(
+                    "pvpo.reuse_presample with cluster.async_steps (not built): a prefetched "
+                    "step would sample the groups the presampled rollouts replace"
+                )
+            self.reusing = setup.engine = ReusingEngine(setup.engine)
+        if not setup.resuming:
+            self._write_lazy_report()
+        if self.cfg.log.progress:
+            Console().print(
+                f"PVPO: anchors presampled as the run draws (pvpo.presample=lazy, M="
+                f"{self.cfg.pvpo.m}, walk target {walk.target}); store {walk.store.path}"
+            )
+
+    @property
+    def needs_logp(self) -> bool:  # type: ignore[override]
+        """The teacher-token metrics read ``step.logp`` when the run has teacher rows, and so
+        do the importance weights of reused presampled rows."""
+        return bool(self.trajectories) or getattr(self, "reusing", None) is not None
+
+    @property
+    def presample_rollouts(self) -> int:
+        """Reference rollouts the anchors in use rest on (a lazy walk's walked prompts)."""
+        return self.lazy.rollouts if self.lazy is not None else self._presample_rollouts
+
+    @presample_rollouts.setter
+    def presample_rollouts(self, value: int) -> None:
+        self._presample_rollouts = value
+
+    @property
+    def teacher_rollouts(self) -> int:
+        """A model teacher's generations behind the walked accuracy-0 prompts' outcomes."""
+        return self.lazy.teacher_rollouts if self.lazy is not None else self._teacher_rollouts
+
+    @teacher_rollouts.setter
+    def teacher_rollouts(self, value: int) -> None:
+        self._teacher_rollouts = value
+
+    def prompt_stream(self, seed: int, consumed: int) -> PromptSampler | None:
+        """A lazy run's stream (:class:`LazyPrompts`, re-walked to ``consumed``); else None."""
+        if self.lazy is None:
+            return None
+        on_take = self._plan_reuse if self.reusing is not None else None
+        return LazyPrompts(self.lazy, seed, consumed, on_take)
+
+    def _plan_reuse(self, start: int, records: list[Record], first: list[bool]) -> None:
+        """Serve each first-drawn prompt's group from its kept presampled rollouts (the next
+        engine call's), where the store keeps them."""
+        assert self.lazy is not None and self.reusing is not None
+        plan = {}
+        for i, (record, new) in enumerate(zip(records, first, strict=True)):
+            kept = self.lazy.first_group(record, self.cfg.rollout.n) if new else None
+            if kept is not None:
+                plan[i] = kept[0]
+                self._first_draws.add(start + i)
+        self.reusing.plan = plan
+
+    def _mark_reused(self, step: Step) -> dict[str, float]:
+        """Which of the step's rows are reused presampled rollouts (before teacher rows
+        replace any): they were not sampled now, so they leave ``rollouts/step``."""
+        scored = step.scored
+        draws = scored.draws or []
+        groups = [g for g, d in enumerate(draws) if d in self._first_draws]
+        self._first_draws.difference_update(draws)
+        self._reused = torch.isin(scored.batch.group, torch.tensor(groups, dtype=torch.long))
+        count = int(self._reused.sum())
+        step.metrics["rollouts/step"] -= count
+        return {
+            "pvpo/reused_rows": float(count),
+            "pvpo/reuse_staleness": float(step.index - 1) if count else 0.0,
+        }
+
+    def _write_lazy_report(self) -> None:
+        """``pvpo.json`` of a lazy run: the walk so far (rewritten when the run closes)."""
+        walk = self.lazy
+        assert walk is not None
+        summary = {
+            "store": str(walk.store.path),
+            "key": walk.key.digest,
+            "m": self.cfg.pvpo.m,
+            "presample_mode": "lazy",
+            "prompts": walk.walked,
+            "training_prompts": len(walk.kept),
+            "presample": {"rollouts": walk.rollouts, "rollouts_sampled_now": walk.sampled_now},
+            "reference_accuracy": _mean([stat.accuracy for stat in walk.stats.values()]),
+            "anchor_mean": _mean([stat.mean for stat in walk.stats.values()]),
+            "teacher": self.cfg.pvpo.teacher if self.cfg.filter.kind == "group" else None,
+            "teacher_trajectories": len(walk.trajectories),
+            "teacher_rollouts": walk.teacher_rollouts,
+            "walk_target": walk.target,
+        }
+        (Path(self.run_dir) / RUN_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
     def _use(self, digest: str) -> None:
         """Train against the anchors stored under ``digest`` (presampled or refreshed)."""
@@ -262,7 +398,14 @@ class PVPO(Component):
         """The refresh when due (the refreshed anchors serve this step onwards), then teacher
         rows; adds the ``pvpo/*`` metrics."""
         metrics = self.refresh(step.index - 1) if refresh_due(self.cfg.pvpo, step.index - 1) else {}
+        if self.reusing is not None:
+            metrics |= self._mark_reused(step)
         step.scored = inject_teachers(step.scored, self.trajectories, self.task, self.cfg)
+        if self.reusing is not None:
+            self._reused = self._reused & ~step.scored.off_policy  # teacher rows are not
+            if self.cfg.pvpo.reuse_correction == "none":  # the ratio against pi_reference
+                off = step.scored.off_policy | self._reused
+                step.scored = dataclasses.replace(step.scored, off_policy=off)
         metrics["pvpo/teacher_rows"] = float(step.scored.off_policy.sum())
         if len(step.scored):
             metrics["pvpo/anchor_mean"] = self.batch_anchors(step.scored).mean().item()
@@ -273,12 +416,38 @@ class PVPO(Component):
         return batch_anchors(self.anchors, scored)
 
     def advantage_inputs(self, step: Step) -> dict[str, Any]:
-        return {"anchor": self.batch_anchors(step.scored)}
+        """``anchor[B]``; a reused presampled row's is the mean of its prompt's other
+        presampled rewards (:func:`leave_one_out_anchor`); with ``pvpo.anchor_update =
+        pooled``, each row's leave-one-out mean of its prompt's pool (:class:`PooledAnchors`),
+        which the step's policy rows then join."""
+        scored = step.scored
+        if self.pooled is not None:
+            reused = (
+                self._reused
+                if self.reusing is not None
+                else torch.zeros(len(scored), dtype=torch.bool)
+            )
+            ids, group = [r.id for r in scored.records], scored.batch.group
+            fresh = ~scored.off_policy & ~reused
+            anchor = self.pooled.baselines(
+                self.anchors, ids, group, scored.task_rewards, fresh, reused
+            )
+            self.pooled.add(ids, group, scored.task_rewards, fresh)
+            return {"anchor": anchor}
+        anchor = self.batch_anchors(scored)
+        if self.reusing is not None and bool(self._reused.any()):
+            rows = self._reused.nonzero().flatten()
+            stats = [self.anchors[scored.records[g].id] for g in scored.batch.group[rows].tolist()]
+            for row, stat in zip(rows.tolist(), stats, strict=True):
+                anchor[row] = leave_one_out_anchor(stat, scored.task_rewards[row : row + 1])[0]
+        return {"anchor": anchor}
 
     def on_advantages(self, step: Step) -> None:
         """``pvpo/teacher_logp``: the policy's mean log-prob per teacher token before this
         step's update (how far it has learned the teacher's tokens), and
         ``pvpo/teacher_behaviour_logp``, the mean log pi_gt the ratio is taken against."""
+        if self.reusing is not None and self.cfg.pvpo.reuse_correction == "tis":
+            self._weigh_reused(step)
         rows = step.scored.off_policy
         if step.logp is None or step.mask is None or not bool(rows.any()):
             return
@@ -286,6 +455,23 @@ class PVPO(Component):
         step.metrics["pvpo/teacher_logp"] = token_mean(step.logp[rows], mask)
         behaviour = step.scored.batch.logprobs[rows]
         step.metrics["pvpo/teacher_behaviour_logp"] = token_mean(behaviour, mask)
+
+    def _weigh_reused(self, step: Step) -> None:
+        """``pvpo.reuse_correction = tis``: each reused row's token advantages times
+        min(pi_current / pi_reference, ``pvpo.reuse_tis_cap``), the asynchronous path's
+        truncated importance weights (the ratio's denominator is the current policy's)."""
+        if step.logp is None or step.mask is None or step.advantages is None:
+            return
+        if not bool(self._reused.any()):
+            return
+        rows = step.mask * self._reused[:, None]
+        batch = step.scored.batch
+        weights, tis = truncated_is_weights(
+            step.logp, batch.logprobs, rows, self.cfg.pvpo.reuse_tis_cap
+        )
+        step.advantages = step.advantages * (weights + step.mask * ~self._reused[:, None])
+        step.metrics["pvpo/reuse_tis_weight_mean"] = tis["async/tis_weight_mean"]
+        step.metrics["pvpo/reuse_tis_capped_frac"] = tis["async/tis_capped_frac"]
 
     def refresh(self, completed: int) -> dict[str, float]:
         """Re-estimate the anchors of the training prompts after ``completed`` steps
@@ -311,21 +497,38 @@ class PVPO(Component):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "anchor_key": self.anchor_key,
             "presample_rollouts": self.presample_rollouts,
             "refresh_rollouts": self.refresh_rollouts,
         }
+        if self.pooled is not None:
+            state["pooled"] = self.pooled.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue with the anchors the run was using (those of its last refresh, if any)."""
+        """Continue with the anchors the run was using (those of its last refresh, if any).
+        A lazy run's walk was re-walked to the checkpoint's cursor (:class:`LazyPrompts`)."""
+        if self.pooled is not None and "pooled" in state:
+            self.pooled.load_state_dict(state["pooled"])
+        if self.lazy is not None:
+            if state["anchor_key"] != self.anchor_key:
+                raise RuntimeError(
+                    f"the checkpoint's anchors are under {state['anchor_key']}, this run's "
+                    f"lazy walk under {self.anchor_key}"
+                )
+            return
         self.presample_rollouts = int(state["presample_rollouts"])
         self.refresh_rollouts = int(state["refresh_rollouts"])
         self._use(state["anchor_key"])
 
     def close(self) -> None:
-        """Close the reference's presampling engine (its own, built by :func:`presample_set`)."""
-        close_engine(getattr(self.set.sampler, "engine", None))
+        """Close the reference's presampling engine (its own, built by :func:`presample_set`);
+        a lazy run rewrites ``pvpo.json`` with its walk."""
+        if self.lazy is not None:
+            self._write_lazy_report()
+        source = self.set if self.lazy is None else self.lazy
+        close_engine(getattr(source.sampler, "engine", None))
 
     def counters(self) -> dict[str, float]:
         return {
