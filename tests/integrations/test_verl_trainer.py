@@ -324,6 +324,24 @@ def test_vapo_state_needs_no_anchors_and_pvpo_refuses_unknown_prompts(anchors) -
     assert isinstance(MethodState(trainer_for("vapo", anchors).method_cfg), MethodState)
 
 
+def test_resume_compares_the_checkpoints_anchor_key_and_method(anchors) -> None:
+    """A checkpoint's method state loads only under the same anchors' key and method
+    (verl_loop_checks.py refuses a changed key in a real resumed main_ppo)."""
+    for method in ("pvpo", "v05"):
+        state = trainer_for(method, anchors).state
+        saved = state.state_dict()
+        assert saved["anchor_key"] == anchors[1]
+        state.load_state_dict(saved)
+        with pytest.raises(ValueError, match="presample key other.*anchor_key=other"):
+            state.load_state_dict({**saved, "anchor_key": "other"})
+        with pytest.raises(ValueError, match="anchor_rl.method=vapo"):
+            state.load_state_dict({**saved, "method": "vapo"})
+    vapo = MethodState(trainer_for("vapo", anchors).method_cfg)
+    vapo.load_state_dict(vapo.state_dict())
+    with pytest.raises(ValueError, match="presample key"):
+        vapo.load_state_dict({**vapo.state_dict(), "anchor_key": anchors[1]})
+
+
 def test_rows_with_the_same_messages_and_another_gold_or_source_get_their_own_anchor(
     tmp_path,
 ) -> None:

@@ -109,6 +109,9 @@ def test_cpu_mode_is_off_unless_asked(monkeypatch):
     assert _detect_platform_name() != "cpu"  # never auto-detected
     assert not cpu.requested() and not cpu.activate()
     assert not hasattr(distributed.initialize_global_process_group_ray, "__wrapped__")
+    import verl.utils.model as model_utils
+
+    assert not hasattr(model_utils.load_valuehead_model, "__wrapped__")
     for model_type in ("language_model", "value_model"):
         assert "cpu" not in EngineRegistry._engines[model_type]["fsdp2"]
     device = PlatformRegistry.get("cpu")().device_module

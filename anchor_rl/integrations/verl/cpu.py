@@ -15,7 +15,12 @@ alone leaves:
 - **the engine registry**: verl registers its FSDP engines for ``cuda`` and ``npu`` only;
   the CPU mode registers the FSDP2 engine (``strategy=fsdp2``) for ``cpu`` as well. FSDP1
   (``strategy=fsdp``) keeps parameters on an accelerator and stays unregistered for ``cpu``,
-  so verl refuses it with ``No engine registered for device='cpu'``.
+  so verl refuses it with ``No engine registered for device='cpu'``;
+- **the critic's model**: verl's ``load_valuehead_model`` (``verl/utils/model.py``) loads a
+  critic as ``AutoModelForTokenClassification`` with ``attn_implementation`` hard-coded to
+  ``flash_attention_2``, which needs a GPU, and falls back to trl's value-head class, which
+  trl 1.16 lacks; the CPU mode loads the same class with ``sdpa`` (``eager`` when the
+  model's config asks for it).
 
 The mode is tested in fp32 (bf16 mixed precision is untested on the CPU), with ``sdpa``
 attention and without remove-padding (flash-attention's varlen kernels need a GPU): the
@@ -216,9 +221,27 @@ def _gloo(initialize: Any) -> Any:
     return initialize_global_process_group_ray
 
 
+def _value_model(load: Any) -> Any:
+    """verl's ``load_valuehead_model`` with the attention a CPU has (module docstring)."""
+
+    def load_valuehead_model(local_path: str, torch_dtype: Any, model_config: Any,
+                             trust_remote_code: bool) -> Any:  # fmt: skip
+        from transformers import AutoModelForTokenClassification
+
+        asked = getattr(model_config, "_attn_implementation", None)
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype,
+            config=model_config, attn_implementation="eager" if asked == "eager" else "sdpa",
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+
+    load_valuehead_model.__wrapped__ = load  # type: ignore[attr-defined]
+    return load_valuehead_model
+
+
 def activate() -> bool:
-    """With ``VERL_PLATFORM=cpu``: the gloo process group and the FSDP2 engine for ``cpu``
-    (module docstring). Returns whether the CPU mode is on; without the variable it changes
+    """With ``VERL_PLATFORM=cpu``: the gloo process group, the FSDP2 engine for ``cpu`` and
+    the critic's model loader (module docstring). Returns whether the CPU mode is on; without the variable it changes
     nothing. Safe to call twice."""
     if not requested():
         return False
@@ -232,6 +255,10 @@ def activate() -> bool:
             module = sys.modules.get(name)
             if module is not None and hasattr(module, "initialize_global_process_group_ray"):
                 module.initialize_global_process_group_ray = patched
+    import verl.utils.model as model_utils
+
+    if not hasattr(model_utils.load_valuehead_model, "__wrapped__"):
+        model_utils.load_valuehead_model = _value_model(model_utils.load_valuehead_model)
     from verl.workers.engine import EngineRegistry
 
     for model_type in ("language_model", "value_model"):

@@ -36,7 +36,7 @@ from anchor_rl.methods.groups import first_rows, group_index
 from anchor_rl.methods.v05 import Fusion, V05Step, build_prior
 from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
 
-__all__ = ["MethodState", "V05Plan", "outcome"]
+__all__ = ["MethodState", "V05Plan", "check_resume", "outcome"]
 
 NLL_WEIGHT = "anchor_rl_nll_weight"
 """The per-row field VAPO's actor loss reads (:mod:`.losses`)."""
@@ -227,14 +227,31 @@ class MethodState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (refused when it is another method's)."""
-        if state["method"] != self.cfg.method:
-            raise ValueError(
-                f"the checkpoint holds anchor_rl.method={state['method']}, this run is "
-                f"{self.cfg.method}"
-            )
+        """Restore :meth:`state_dict` (refused when it is another method's, or its anchors are
+        under another key: :func:`check_resume`)."""
+        check_resume(state, self.cfg.method, self.anchor_key)
         if self.prior is not None and state["prior"] is not None:
             self.prior.load_state_dict(state["prior"])
+
+
+def check_resume(state: Mapping[str, Any], method: str, anchor_key: str | None) -> None:
+    """Refuse to resume from a checkpoint's method state ``state`` (:meth:`MethodState.state_dict`)
+    made by another method, or whose anchors are under another store key than this run's
+    ``anchor_key``: its prior, teacher rows and advantages rest on those anchors."""
+    if state["method"] != method:
+        raise ValueError(
+            f"the checkpoint holds anchor_rl.method={state['method']}, this run is {method}"
+        )
+    saved = state.get("anchor_key")
+    if saved != anchor_key:
+        raise ValueError(
+            f"the checkpoint's anchors are under the presample key {saved}, this run's under "
+            f"{anchor_key}: the reference model, its tokenizer, the rollout's sampling "
+            "settings, data.train_files, data.prompt_key, the reward function or "
+            "anchor_rl.correct_threshold changed since it was saved. Resume with the settings "
+            f"it was saved with, or set anchor_rl.pvpo.anchor_key={saved} to keep its anchors, "
+            "or start a new run in another trainer.default_local_dir"
+        )
 
 
 def nll_weights(scores: Tensor, mask: Tensor, threshold: float) -> Tensor:

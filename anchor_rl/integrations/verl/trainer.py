@@ -44,7 +44,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
-from verl.workers.utils.padding import response_from_nested, response_to_nested
+from verl.workers.utils.padding import response_to_nested
 
 import anchor_rl.integrations.verl.estimators  # noqa: F401  (the estimators and policy loss)
 from anchor_rl.anchors.filter import FilterResult
@@ -62,7 +62,7 @@ from anchor_rl.integrations.verl.data import (
     plain,
     presample_key,
 )
-from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState
+from anchor_rl.integrations.verl.method import NLL_WEIGHT, MethodState, check_resume
 from anchor_rl.integrations.verl.registry import check_registered
 from anchor_rl.integrations.verl.rollout import (
     TEACHER_FIELD,
@@ -256,16 +256,20 @@ class AnchorRLTrainer(PPOTrainerSync):
         if mc.uses_anchors and mc.pvpo.anchor_key is None:
             key = self.presample_key()
             sampler = VerlSampler(self, self._dataset_rows, mc.correct_threshold)
+        saved = None
+        if self._resume_folder is not None and (Path(self._resume_folder) / STATE_FILE).exists():
+            saved = torch.load(Path(self._resume_folder) / STATE_FILE, weights_only=True)
+            # before presampling: a changed key would sample anchors the checkpoint never used
+            digest = key.digest if key is not None else mc.pvpo.anchor_key
+            check_resume(saved, mc.method, digest if mc.uses_anchors else None)
         prepared = prepare_method(mc, self.training_rows(), self.tokenizer, key, sampler)
         self.state = prepared.state
         if prepared.filtered is not None:
             logger.info("anchor_rl group sampling: %s", prepared.filtered.stats.to_dict()["counts"])
         if prepared.rows is not None:
             self._restrict_dataset(prepared.rows)
-        if self._resume_folder is not None:
-            path = Path(self._resume_folder) / STATE_FILE
-            if path.exists():
-                self.state.load_state_dict(torch.load(path, weights_only=True))
+        if saved is not None:
+            self.state.load_state_dict(saved)
 
     def _restrict_dataset(self, rows: list[int]) -> None:
         """Train on dataset rows ``rows`` only (PVPO's group sampling): a new dataloader over them
@@ -351,12 +355,8 @@ class AnchorRLTrainer(PPOTrainerSync):
         if not rows:
             return batch
         mask = data["response_mask"]
-        old = (
-            response_from_nested(data["old_log_probs"], mask)
-            if data["old_log_probs"].is_nested
-            else data["old_log_probs"]
-        )
-        old = old.clone()
+        old = data["old_log_probs"]  # verl's response-only log-probs [B, (R)], nested
+        old = old.to_padded_tensor(0.0) if old.is_nested else old.clone()
         for row in rows:
             lp = torch.tensor(plain(extra[row])[TEACHER_LOGPROBS], dtype=old.dtype)
             old[row] = 0

@@ -1,0 +1,215 @@
+"""Depth 3 of the verl plug-in's tests: verl 0.9.1's whole ``main_ppo`` with
+``trainer.v1.trainer_mode=anchor_rl`` on the CPU, for PVPO, V0.5 and VAPO.
+
+Not part of the README's test command (the seven launches take minutes, mostly verl's and
+Ray's start-up): ``.ci/run`` runs this file after the suite, by name
+(``python -m pytest -q -p no:cacheprovider tests/integrations/verl_loop_checks.py``; the
+name keeps it out of the default collection).
+
+Each method is launched twice through :mod:`verl_main_ppo` (the plug-in's CPU mode, the
+``anchor_rl`` rollout backend, anchor-rl's tiny random model, 8 prompts whose reward rule
+is picked by ``data_source``: ``easy`` always 1, ``hard`` 1 only with the answer, ``coin``
+about half): steps 1-2 with a checkpoint at step 2, then a second launch that resumes from
+it and runs step 3. The reward workers append every response they score to a file, so
+the tests count what verl's agent loop sampled: presampling, training rollouts, teacher
+rows and top-ups.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import verl_main_ppo as loop  # noqa: E402
+
+from anchor_rl.anchors.store import AnchorStore  # noqa: E402
+from anchor_rl.integrations.verl.data import row_key  # noqa: E402
+
+N = 2
+"""actor_rollout_ref.rollout.n of every method (verl_main_ppo.METHOD_OVERRIDES)."""
+
+
+class Runs:
+    """Both launches of one method in one directory, and what they left there."""
+
+    def __init__(self, out: Path, method: str) -> None:
+        self.out, self.method = out, method
+        self.first = loop.launch(out, method, 2)
+        assert self.first.returncode == 0, self.first.stdout[-6000:]
+        self.second = loop.launch(out, method, 3)
+        assert self.second.returncode == 0, self.second.stdout[-6000:]
+        self.metrics = {**loop.metrics(out, method, 2), **loop.metrics(out, method, 3)}
+        self.folder = out / "checkpoints" / method
+
+    def state(self, step: int) -> dict:
+        return torch.load(self.folder / f"global_step_{step}" / "anchor_rl.pt", weights_only=True)
+
+    def scored(self, steps: int) -> list[tuple[str, float]]:
+        """(data_source, score) of every response verl's reward scored in one launch."""
+        path = self.out / f"scored_{self.method}_{steps}.tsv"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [(line.split("\t")[0], float(line.split("\t")[-1])) for line in lines]
+
+    def total(self, name: str, steps: range) -> float:
+        return sum(self.metrics[s].get(name, 0.0) for s in steps)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("verl_loop")
+    loop.prepare(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pvpo(base: Path) -> Runs:
+    return Runs(base, "pvpo")
+
+
+@pytest.fixture(scope="module")
+def v05(base: Path) -> Runs:
+    return Runs(base, "v05")
+
+
+@pytest.fixture(scope="module")
+def vapo(base: Path) -> Runs:
+    return Runs(base, "vapo")
+
+
+def stored_anchors(out: Path, method: str, digest: str) -> dict[str, tuple[int, float]]:
+    """data_source/question -> (rollouts, mean reward) of the anchors under ``digest``."""
+    store = AnchorStore(out / f"anchors_{method}.db")
+    keys = {
+        row_key([{"role": "user", "content": f"What is {q}?"}], a, s): f"{s}/{q}"
+        for s, q, a in loop.PROMPTS
+    }
+    stats = store.get_anchors(digest, list(keys))
+    return {keys[k]: (s.n, s.mean) for k, s in stats.items()}
+
+
+def check_resumed(runs: Runs) -> None:
+    """Steps 1-2 in the first launch, step 3 alone in the second (resumed from global_step_2,
+    never from scratch), the method state saved at both checkpoints."""
+    assert sorted(loop.metrics(runs.out, runs.method, 2)) == [1, 2]
+    assert sorted(loop.metrics(runs.out, runs.method, 3)) == [3]
+    for step in (2, 3):
+        state = runs.state(step)
+        assert state["method"] == runs.method
+    assert runs.state(3)["anchor_key"] == runs.state(2)["anchor_key"]
+    assert (runs.folder / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def check_presampled(runs: Runs) -> None:
+    """PVPO's and V0.5's anchors: presampled once through verl's agent loop and reward, M
+    rollouts of each of the 8 prompts, the rewards as the reward rule gives them."""
+    scored = runs.scored(2)
+    presampled = scored[: len(loop.PROMPTS) * loop.M]
+    assert len(scored) > len(presampled)
+    anchors = stored_anchors(runs.out, runs.method, runs.state(2)["anchor_key"])
+    assert len(anchors) == len(loop.PROMPTS)
+    for name, (n, mean) in anchors.items():
+        assert n == loop.M, name
+        if name.startswith(("easy/", "drift/")):
+            assert mean == 1.0
+        elif name.startswith("hard/"):
+            assert mean == 0.0  # a random model never writes "#### 5"
+    assert sorted(s for s, _ in presampled) == sorted(
+        s for s, _, _ in loop.PROMPTS for _ in range(loop.M)
+    )
+
+
+def test_pvpo_through_main_ppo(pvpo: Runs) -> None:
+    """PVPO: presampling into the store, group sampling (the always-solved prompts never
+    reach training), teacher rows with log pi_gt as their old log-probs, anchors in the
+    advantages; resumed at step 3 with the same anchors and nothing presampled again."""
+    check_resumed(pvpo)
+    check_presampled(pvpo)
+    training = pvpo.scored(2)[len(loop.PROMPTS) * loop.M :] + pvpo.scored(3)
+    assert len(training) == 3 * loop.BATCH * N  # nothing presampled again at the resume
+    # group sampling dropped the prompts the reference always solved
+    assert not {"easy", "drift"} & {s for s, _ in training}
+    teacher = pvpo.total("pvpo/teacher_rows", range(1, 4))
+    # the hard prompts are solved only by their teacher rows (the field teacher's answer)
+    solved_hard = sum(1 for s, r in training if s == "hard" and r == 1.0)
+    assert 1 <= solved_hard <= teacher
+    for step in (1, 2, 3):
+        m = pvpo.metrics[step]
+        assert 0.0 <= m["pvpo/anchor_mean"] <= 1.0
+        # one mini-batch, so the ratio is exactly 1 on sampled rows; teacher rows carry
+        # old = log pi_gt = 0, so their ratio is pi_theta (far below 1)
+        ratio = m["actor/anchor_rl/ratio_mean"]
+        if m.get("pvpo/teacher_rows", 0.0) > 0:
+            assert ratio < 0.95, step
+        else:
+            assert ratio == pytest.approx(1.0, abs=1e-5), step
+
+
+def test_pvpo_resume_refuses_a_changed_anchor_key(pvpo: Runs) -> None:
+    """A third launch whose presample key differs (another reference identity) is refused
+    before it samples anything, naming the checkpoint's key."""
+    done = loop.launch(pvpo.out, "pvpo", 4, ["anchor_rl.pvpo.reference=another-model"])
+    assert done.returncode != 0
+    text = done.stdout
+    assert "the checkpoint's anchors are under the presample key" in text
+    assert pvpo.state(3)["anchor_key"] in text
+    assert pvpo.scored(4) == []  # refused before presampling
+    assert 4 not in loop.metrics(pvpo.out, "pvpo", 4)
+
+
+def test_v05_through_main_ppo(v05: Runs) -> None:
+    """V0.5: the anchor prior presampled, the fused baseline, top-ups through verl's agent
+    loop and reward (every rollout the metrics count was scored by verl's reward worker),
+    the history prior continuing at step 3 from the checkpoint's state."""
+    check_resumed(v05)
+    check_presampled(v05)
+    training = v05.scored(2)[len(loop.PROMPTS) * loop.M :] + v05.scored(3)
+    extra = v05.total("v05/extra_rollouts", range(1, 4))
+    assert len(training) == 3 * loop.BATCH * N + extra
+    for step in (1, 2, 3):
+        m = v05.metrics[step]
+        for name in ("v05/prior_mean", "v05/baseline_mean", "v05/weight_mean"):
+            assert 0.0 <= m[name] <= 1.0, (step, name)
+    before, after = v05.state(2)["prior"], v05.state(3)["prior"]
+    assert before["step"] == 2 and after["step"] == 3  # restored, then one more step
+    evidence = before["evidence"]
+    assert set(evidence) <= set(after["evidence"])
+    # prompts step 3 did not draw keep their counts exactly
+    untouched = [k for k, v in after["evidence"].items() if v[2] != 3]
+    assert untouched and all(after["evidence"][k] == evidence[k] for k in untouched)
+
+
+def test_v05_tops_up_through_verls_agent_loop(v05: Runs) -> None:
+    """Step 2 holds the drift prompt (anchor 1, training rewards 0): its first rollouts reject
+    the prior, and the adaptive budget samples more of it through verl's agent loop; the
+    top-ups are scored by verl's reward and join the batch."""
+    m = v05.metrics[2]
+    assert m["v05/rejected_init_frac"] > 0
+    assert m["v05/extra_rollouts"] > 0 and m["v05/top_up_rounds"] >= 1
+    assert m["v05/rollouts_per_prompt"] > N
+    drift = [r for s, r in v05.scored(2)[len(loop.PROMPTS) * loop.M :] if s == "drift"]
+    assert len(drift) > N and set(drift) == {0.0}
+
+
+def test_vapo_through_main_ppo(vapo: Runs) -> None:
+    """VAPO: verl's critic (FSDP2 on the CPU) trained alone at step 1 (critic_warmup), the
+    actor from step 2 with VAPO's loss (the NLL term set through verl's worker group in both
+    launches), VAPO's critic metrics, the critic's checkpoint saved and resumed."""
+    check_resumed(vapo)
+    assert vapo.scored(2) and len(vapo.scored(3)) == loop.BATCH * N  # no presampling
+    assert "actor/pg_loss" not in vapo.metrics[1]  # value pretraining: the actor waits
+    for step in (1, 2, 3):
+        m = vapo.metrics[step]
+        assert "critic/vf_loss" in m, step
+        for name in ("value_mse", "explained_variance", "policy_lam"):
+            assert name in json.dumps(sorted(m)), (step, name)
+    for step in (2, 3):
+        assert "actor/anchor_rl/nll_loss" in vapo.metrics[step], step
+    for step in (2, 3):
+        critic = vapo.folder / f"global_step_{step}" / "critic"
+        assert critic.is_dir() and any(critic.iterdir())
