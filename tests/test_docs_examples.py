@@ -1,6 +1,7 @@
 """docs/training.md, "Extending": the example plug-in file runs, and each command after it
 trains with what it registers (in a subprocess, as a user would: the registrations stay
-out of this test process). docs/results.md's table of contents lists its sections."""
+out of this test process). docs/results.md's table of contents lists its sections, and the
+links of it and of its details pages resolve."""
 
 from __future__ import annotations
 
@@ -111,15 +112,53 @@ print(json.dumps({{"sampled": run.engine.sampled, "rollouts": run.state.rollouts
     assert counts["sampled"] == counts["rollouts"] == 2 * 2 * 2
 
 
+RESULTS = DOC.parent / "results.md"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _headings(text: str, level: int | None = None) -> list[str]:
+    """The headings of a markdown page outside code blocks (only those of ``level`` if given)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    found = [re.match(r"(#{1,6}) (.*)", line) for line in text.splitlines()]
+    return [m[2].strip() for m in found if m and level in (None, len(m[1]))]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {_anchor(h) for h in _headings(page.read_text())}
+
+
 def test_results_md_contents_list_every_section_and_link_to_it() -> None:
     """Every ``##`` heading of docs/results.md (outside code blocks) is in the contents at its
-    top, in order, linked by GitHub's anchor for it."""
-    text = (DOC.parent / "results.md").read_text()
-    contents, body = text.split("\n**Contents.**", 1)[1].split("\nMeasured numbers", 1)
-    headings = [
-        line[3:] for line in re.sub(r"```.*?```", "", body, flags=re.DOTALL).splitlines()
-        if line.startswith("## ")
-    ]  # fmt: skip
-    anchors = [re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings]
+    top, in order, linked by GitHub's anchor for it; the page stays an answer page, short."""
+    text = RESULTS.read_text()
+    contents, body = text.split("\n**Contents.**", 1)[1].split("\n## ", 1)
+    headings = _headings("## " + body, level=2)
     links = re.findall(r"^- \[(.*)\]\(#(.*)\)$", contents, re.MULTILINE)
-    assert links == list(zip(headings, anchors, strict=True))
+    assert links == [(h, _anchor(h)) for h in headings]
+    assert len(text.splitlines()) < 300, "details belong on the suites' pages under docs/results/"
+
+
+def test_results_pages_links_resolve() -> None:
+    """Every relative link of docs/results.md and of its details pages (docs/results/*.md,
+    docs/results/*/README.md) names a file that exists and, for a markdown file, a heading
+    of it."""
+    pages = [RESULTS, *sorted((DOC.parent / "results").glob("*.md"))]
+    pages += sorted((DOC.parent / "results").glob("*/README.md"))
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (
+                fragment and file.suffix == ".md" and fragment not in _anchors(file)
+            ):
+                broken.append(f"{page.relative_to(DOC.parent)}: {target}")
+    assert len(pages) > 10
+    assert not broken, broken
