@@ -5,13 +5,23 @@ torch and transformers are imported inside the commands so ``anchor-rl --help`` 
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from anchor_rl.cli.options import load_model, parse_task_kwargs, served
+from anchor_rl.cli.options import (
+    DeviceOpt,
+    TaskKwargsOpt,
+    TokenizerOpt,
+    open_engine,
+    parse_task_kwargs,
+    sampling_option,
+)
 
 if TYPE_CHECKING:
     from anchor_rl.anchors.keys import AnchorKey
@@ -24,71 +34,7 @@ anchors_app = typer.Typer(
     help="Inspect the anchor store and run PVPO group sampling.", no_args_is_help=True
 )
 
-ModelOpt = Annotated[
-    str,
-    typer.Option(
-        "--model",
-        help="Reference policy: a model directory, sft:SIZE, random:SIZE or http:URL[#MODEL] "
-        "(a served model, e.g. `anchor-rl serve`).",
-    ),
-]
-TokenizerOpt = Annotated[
-    Path | None,
-    typer.Option(
-        help="Tokenizer directory for an http: model whose server does not serve its tokenizer "
-        "(anchor-rl serve does)."
-    ),
-]
-PresetOpt = Annotated[
-    str,
-    typer.Option(
-        "--preset",
-        "-p",
-        help="Training preset (name or .toml) whose task and rollout settings are the defaults, "
-        "so the anchors land under the key `anchor-rl train` looks up.",
-    ),
-]
-TaskOpt = Annotated[
-    str | None,
-    typer.Option(help="Task name (see anchor_rl.tasks.get_task). Default: the preset's."),
-]
-TaskKwargsOpt = Annotated[
-    str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
-]
-MOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--m", min=1, help="Reference rollouts per prompt (M). Default: the preset's pvpo.m."
-    ),
-]
-DbOpt = Annotated[
-    Path | None,
-    typer.Option(help="Anchor store file. Default: $ANCHOR_RL_CACHE/anchors.db."),
-]
-SplitOpt = Annotated[str, typer.Option(help="Records split to presample.")]
-LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N records of the split.")]
 FROM_PRESET = " Default: the preset's rollout setting."
-TemperatureOpt = Annotated[
-    float | None, typer.Option(min=0.0, help="Sampling temperature." + FROM_PRESET)
-]
-TopPOpt = Annotated[
-    float | None, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass." + FROM_PRESET)
-]
-MaxNewOpt = Annotated[
-    int | None,
-    typer.Option(min=1, help="Token budget per response (tool output included)." + FROM_PRESET),
-]
-MaxTurnsOpt = Annotated[
-    int | None, typer.Option(min=0, help="Most tool calls per response." + FROM_PRESET)
-]
-SeedOpt = Annotated[
-    int,
-    typer.Option(
-        help="Seed of the anchor draw (part of the store key) and of a random:SIZE init: a "
-        "training run's pvpo.presample_seed (0 unless set), for the run to find these anchors."
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
 
 
 @dataclass
@@ -105,32 +51,71 @@ class _Setup:
     params: SamplingParams
     key: AnchorKey
     db: Path
+    preset: str
+    split: str
+    seed: int
+    device: str
 
 
 def _setup(
-    preset: str,
-    model: str,
-    task: str | None,
-    task_kwargs: str | None,
-    split: str,
-    limit: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    max_new_tokens: int | None,
-    max_turns: int | None,
-    seed: int,
-    device: str,
-    db: Path | None,
-    tokenizer_dir: Path | None = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Reference policy: a model directory, sft:SIZE, random:SIZE or http:URL[#MODEL] "
+            "(a served model, e.g. `anchor-rl serve`).",
+        ),
+    ],
+    preset: Annotated[
+        str,
+        typer.Option(
+            "--preset",
+            "-p",
+            help="Training preset (name or .toml) whose task and rollout settings are the "
+            "defaults, so the anchors land under the key `anchor-rl train` looks up.",
+        ),
+    ] = "pvpo",
+    task: Annotated[
+        str | None,
+        typer.Option(help="Task name (see anchor_rl.tasks.get_task). Default: the preset's."),
+    ] = None,
+    task_kwargs: TaskKwargsOpt = None,
+    db: Annotated[
+        Path | None, typer.Option(help="Anchor store file. Default: $ANCHOR_RL_CACHE/anchors.db.")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Records split to presample.")] = "train",
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="Only the first N records of the split.")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(min=0.0, help="Sampling temperature." + FROM_PRESET)
+    ] = None,
+    top_p: Annotated[
+        float | None, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass." + FROM_PRESET)
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="Token budget per response (tool output included)." + FROM_PRESET),
+    ] = None,
+    max_turns: Annotated[
+        int | None, typer.Option(min=0, help="Most tool calls per response." + FROM_PRESET)
+    ] = None,
+    seed: Annotated[
+        int,
+        typer.Option(
+            help="Seed of the anchor draw (part of the store key) and of a random:SIZE init: a "
+            "training run's pvpo.presample_seed (0 unless set), for the run to find these "
+            "anchors."
+        ),
+    ] = 0,
+    device: DeviceOpt = "cpu",
+    tokenizer: TokenizerOpt = None,
 ) -> _Setup:
-    """Everything a presample or filter command needs; sampling settings and the task left
-    as None come from ``preset``, as ``anchor-rl train --preset`` would use them."""
+    """Everything a presample or filter command needs, from the options they share (declared
+    here once; :func:`_with_setup` gives them to both commands); sampling settings and the
+    task left as None come from ``preset``, as ``anchor-rl train --preset`` would use them."""
     from anchor_rl.anchors.keys import task_identity
     from anchor_rl.anchors.presample import presample_key, task_params
     from anchor_rl.paths import store_path
-    from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import frozen
-    from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
     from anchor_rl.trainer.config import load_config
 
@@ -145,13 +130,6 @@ def _setup(
         kwargs = parse_task_kwargs(task_kwargs) if task_kwargs is not None else cfg.task_args
     else:
         kwargs = parse_task_kwargs(task_kwargs)
-    r = cfg.rollout
-    temperature, top_p, max_new_tokens, max_turns = (
-        r.temperature if temperature is None else temperature,
-        r.top_p if top_p is None else top_p,
-        r.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        r.max_turns if max_turns is None else max_turns,
-    )
     try:
         task_obj = get_task(task, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -161,37 +139,38 @@ def _setup(
             f"unknown split {split!r}; choose train or test", param_hint="--split"
         )
     records = task_obj.records(split)[:limit]
-    try:
-        sampling = SamplingParams(
-            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, max_turns=max_turns
-        )
-    except ValueError as exc:  # e.g. top_p = 0
-        raise typer.BadParameter(str(exc)) from exc
-    params = task_params(sampling, task_obj)
+    given = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+             "max_turns": max_turns}  # fmt: skip
+    sampling = {k: getattr(cfg.rollout, k) if v is None else v for k, v in given.items()}
+    params = task_params(sampling_option(**sampling), task_obj)
     task_id = task_identity(task, task_obj, kwargs)
-    if model.startswith("http:"):
-        engine = served(model, tokenizer_dir)
-        policy, tokenizer = None, engine.tokenizer
+    engine, policy, tok = open_engine(model, task, kwargs, seed, device, tokenizer, freeze=True)
+    if policy is None:  # served
         key = _served_key(engine, params, task_id, seed)
     else:
-        policy, tokenizer = load_model(model, task, kwargs, seed, device)
-        policy = frozen(policy)
-        engine = make_engine("hf", policy, tokenizer)
-        key = presample_key(policy, tokenizer, params, task_id, seed=seed)
+        key = presample_key(policy, tok, params, task_id, seed=seed)
     return _Setup(
-        cfg,
-        policy,
-        tokenizer,
-        engine,
-        task_obj,
-        task,
-        task_id,
-        kwargs,
-        records,
-        params,
-        key,
-        store_path(db),
-    )
+        cfg, policy, tok, engine, task_obj, task, task_id, kwargs, records, params, key,
+        store_path(db), preset, split, seed, device,
+    )  # fmt: skip
+
+
+def _with_setup(command: Callable[..., None]) -> Callable[..., None]:
+    """``command(s, **own)`` as a Typer command taking :func:`_setup`'s options (the model,
+    task and sampling options presample and filter share) and ``command``'s own: ``s`` is the
+    :class:`_Setup` of the former."""
+    shared = inspect.signature(_setup, eval_str=True).parameters
+    own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+
+    @functools.wraps(command)
+    def run(**options: Any) -> None:
+        command(_setup(**{name: options.pop(name) for name in shared}), **options)
+
+    del run.__wrapped__  # typer reads the options from __signature__
+    run.__annotations__ = {}
+    params = [p.replace(kind=p.KEYWORD_ONLY) for p in (*shared.values(), *own)]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return run
 
 
 def _served_key(engine: Any, params: SamplingParams, task_id: str, seed: int) -> AnchorKey:
@@ -278,15 +257,27 @@ def _key_note(store: Any, key: AnchorKey, ids: list[str], m: int) -> str:
     )
 
 
+def _check_export_path(out: Path | None, option: str = "--export") -> Path | None:
+    """``out``; a usage error naming it unless anchors can be exported there: a ``.jsonl`` or
+    ``.parquet`` file name, not a directory's (None passes)."""
+    if out is None:
+        return out
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise typer.BadParameter(f"{out} must end in .jsonl or .parquet", param_hint=option)
+    if out.is_dir():
+        raise typer.BadParameter(f"{out} is a directory; give a file to write", param_hint=option)
+    return out
+
+
+@_with_setup
 def presample_command(
-    model: ModelOpt,
-    preset: PresetOpt = "pvpo",
-    task: TaskOpt = None,
-    task_kwargs: TaskKwargsOpt = None,
-    m: MOpt = None,
-    db: DbOpt = None,
-    split: SplitOpt = "train",
-    limit: LimitOpt = None,
+    s: _Setup,
+    m: Annotated[
+        int | None,
+        typer.Option(
+            "--m", min=1, help="Reference rollouts per prompt (M). Default: the preset's pvpo.m."
+        ),
+    ] = None,
     batch_size: Annotated[
         int | None,
         typer.Option(
@@ -295,16 +286,13 @@ def presample_command(
             "Default: the preset's pvpo.presample_batch.",
         ),
     ] = None,
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    max_new_tokens: MaxNewOpt = None,
-    max_turns: MaxTurnsOpt = None,
-    seed: SeedOpt = 0,
-    device: DeviceOpt = "cpu",
     export: Annotated[
-        Path | None, typer.Option(help="Also export this key's anchors (.jsonl or .parquet).")
+        Path | None,
+        typer.Option(
+            help="Also export this key's anchors (.jsonl or .parquet).",
+            callback=lambda out: _check_export_path(out),  # found before the sampling
+        ),
     ] = None,
-    tokenizer: TokenizerOpt = None,
 ) -> None:
     """Roll the reference policy out M times per prompt and store each prompt's anchor.
 
@@ -317,26 +305,20 @@ def presample_command(
     from anchor_rl.anchors.presample import RolloutSampler, presample
     from anchor_rl.anchors.store import AnchorStore
 
-    if export is not None:  # found now, not after the sampling
-        _check_export_path(export)
-    s = _setup(
-        preset, model, task, task_kwargs, split, limit, temperature, top_p, max_new_tokens,
-        max_turns, seed, device, db, tokenizer,
-    )  # fmt: skip
     m = s.config.pvpo.m if m is None else m
     batch_size = s.config.pvpo.presample_batch if batch_size is None else batch_size
     console = Console()
     p = s.params
     console.print(
-        f"presample {s.task_name}/{split}: {len(s.records)} prompts x M={m} into {s.db} "
+        f"presample {s.task_name}/{s.split}: {len(s.records)} prompts x M={m} into {s.db} "
         f"(key {s.key.digest}; temperature {p.temperature:g}, top_p {p.top_p:g}, "
-        f"max_new_tokens {p.max_new_tokens}, max_turns {p.max_turns}: preset {preset}'s "
+        f"max_new_tokens {p.max_new_tokens}, max_turns {p.max_turns}: preset {s.preset}'s "
         "unless given)"
     )
     sampler = RolloutSampler(s.engine, s.task, s.params)
     with AnchorStore(s.db) as store:
         console.print(_key_note(store, s.key, [r.id for r in s.records], m))
-        result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=seed)
+        result = presample(s.records, sampler, store, s.key, m, batch_size=batch_size, seed=s.seed)
         stats = store.get_anchors(s.key, [r.id for r in s.records])
         if export is not None:
             rows = store.export(export, key=s.key)
@@ -368,15 +350,6 @@ def _full_digest(store: AnchorStore, prefix: str) -> str:
         f"{', '.join(d[:12] for d in digests) or 'none'} (anchor-rl anchors keys lists them)",
         param_hint="--key",
     )
-
-
-def _check_export_path(out: Path, option: str = "--export") -> None:
-    """A usage error naming ``out`` unless anchors can be exported there: a ``.jsonl`` or
-    ``.parquet`` file name, not a directory's."""
-    if out.suffix not in (".jsonl", ".parquet"):
-        raise typer.BadParameter(f"{out} must end in .jsonl or .parquet", param_hint=option)
-    if out.is_dir():
-        raise typer.BadParameter(f"{out} is a directory; give a file to write", param_hint=option)
 
 
 @anchors_app.command("export")
@@ -433,15 +406,13 @@ def keys_command(
     Console().print(table)
 
 
-def _teacher(
-    spec: str, teacher_model: str | None, tries: int, s: _Setup, seed: int, device: str
-) -> Teacher | None:
+def _teacher(spec: str, teacher_model: str | None, tries: int, s: _Setup) -> Teacher | None:
     from anchor_rl.methods.pvpo import pvpo_teacher
     from anchor_rl.methods.pvpo_config import PVPOConfig
     from anchor_rl.rollout.spec import frozen, load_spec
 
     def load_teacher(target: str):
-        model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, seed, device)
+        model, tokenizer = load_spec(target, s.task_name, s.task_kwargs, s.seed, s.device)
         return frozen(model), tokenizer
 
     if spec == "oracle:reference" and s.model is None:
@@ -459,20 +430,9 @@ def _teacher(
 
 
 @anchors_app.command("filter")
+@_with_setup
 def filter_command(
-    model: ModelOpt,
-    preset: PresetOpt = "pvpo",
-    task: TaskOpt = None,
-    task_kwargs: TaskKwargsOpt = None,
-    db: DbOpt = None,
-    split: SplitOpt = "train",
-    limit: LimitOpt = None,
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    max_new_tokens: MaxNewOpt = None,
-    max_turns: MaxTurnsOpt = None,
-    seed: SeedOpt = 0,
-    device: DeviceOpt = "cpu",
+    s: _Setup,
     teacher: Annotated[
         str | None,
         typer.Option(
@@ -490,7 +450,6 @@ def filter_command(
     stats_out: Annotated[
         Path | None, typer.Option(help="Write the filter statistics here (JSON).")
     ] = None,
-    tokenizer: TokenizerOpt = None,
 ) -> None:
     """PVPO group sampling over presampled anchors (same model/sampling options as presample).
 
@@ -504,10 +463,6 @@ def filter_command(
     from anchor_rl.anchors.store import AnchorStore
     from anchor_rl.anchors.teachers import teacher_key
 
-    s = _setup(
-        preset, model, task, task_kwargs, split, limit, temperature, top_p, max_new_tokens,
-        max_turns, seed, device, db, tokenizer,
-    )  # fmt: skip
     with AnchorStore(s.db) as store:
         stats = store.get_anchors(s.key, [r.id for r in s.records])
         if len(stats) < len(s.records):
@@ -515,7 +470,7 @@ def filter_command(
                 f"{len(s.records) - len(stats)} of {len(s.records)} prompts have no anchors under key "
                 f"{s.key.digest} in {s.db}: run `anchor-rl presample` with the same options first"
             )
-        t = _teacher(teacher, teacher_model, tries, s, seed, device) if teacher else None
+        t = _teacher(teacher, teacher_model, tries, s) if teacher else None
         key = teacher_key(t, s.task_id) if t is not None else None
         result = group_filter(
             s.records,

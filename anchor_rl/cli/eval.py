@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import typer
 
 from anchor_rl.cli.options import (
+    AdapterOpt,
+    DeviceOpt,
+    TaskKwargsOpt,
     ThreadsOption,
-    load_model,
+    TokenizerOpt,
+    open_engine,
     parse_task_kwargs,
-    served,
+    sampling_option,
     use_threads,
 )
 
@@ -54,24 +58,10 @@ def eval_command(
         int | None, typer.Option(help="Evaluate only the first N records.", min=1)
     ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    task_kwargs: Annotated[
-        str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="Torch device.")] = "cpu",
-    tokenizer: Annotated[
-        Path | None,
-        typer.Option(
-            help="Tokenizer directory for an http: model whose server does not serve its "
-            "tokenizer (anchor-rl serve does)."
-        ),
-    ] = None,
-    adapter: Annotated[
-        Path | None,
-        typer.Option(
-            help="A LoRA adapter directory (PEFT format: a LoRA run's checkpoint policy/) "
-            "applied to --model, its base model; merged into its weights."
-        ),
-    ] = None,
+    task_kwargs: TaskKwargsOpt = None,
+    device: DeviceOpt = "cpu",
+    tokenizer: TokenizerOpt = None,
+    adapter: AdapterOpt = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -82,7 +72,6 @@ def eval_command(
     threads: ThreadsOption = "auto",
 ) -> None:
     """Evaluate a model on a task; prints the metrics and saves them (with per-prompt counts) as JSON."""
-    import torch
     import transformers
     from rich.console import Console
     from rich.table import Table
@@ -90,7 +79,6 @@ def eval_command(
     from anchor_rl.errors import AnchorRLError
     from anchor_rl.models.loading import check_device
     from anchor_rl.rollout.evaluate import evaluate, trace_budget
-    from anchor_rl.rollout.types import SamplingParams
     from anchor_rl.tasks import get_task
     from anchor_rl.threads import choice_for
 
@@ -109,9 +97,8 @@ def eval_command(
         raise
     except (ValueError, TypeError) as exc:  # the task's arguments
         raise typer.BadParameter(str(exc), param_hint="--task") from exc
-    engine, tok, where = _engine(model, task, kwargs, seed, device, tokenizer, adapter)
-    local = getattr(engine, "model", None)  # the hf engine's model; a served one is a name
-    if isinstance(local, torch.nn.Module) and (chosen := choice_for(local)) is not None:
+    engine, policy, tok = open_engine(model, task, kwargs, seed, device, tokenizer, adapter)
+    if policy is not None and (chosen := choice_for(policy)) is not None:
         typer.echo(chosen.line(("generate",)))
     if max_new_tokens is None:
         try:
@@ -120,16 +107,10 @@ def eval_command(
             raise typer.BadParameter(
                 f"{exc}; pass it explicitly", param_hint="--max-new-tokens"
             ) from exc
-    try:
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            max_turns=max_turns,
-            stop=task_obj.stop,
-        )
-    except ValueError as exc:  # e.g. top_p = 0
-        raise typer.BadParameter(str(exc)) from exc
+    params = sampling_option(
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, max_turns=max_turns,
+        stop=task_obj.stop,
+    )  # fmt: skip
     result = evaluate(engine, task_obj, split, k, params, limit, seed, progress=True)
     result["model"] = model
     if model.startswith("http:"):  # served: say which weights
@@ -143,42 +124,11 @@ def eval_command(
     Console().print(table)
     if out is not None:
         path = out
-    elif where is not None:
-        path = where / f"eval-{task}-{split}-k{k}.json"
+    elif adapter is not None or (Path(model) / "config.json").is_file():  # a model directory
+        path = Path(adapter or model) / f"eval-{task}-{split}-k{k}.json"
     else:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")
         path = Path(f"eval-{slug}-{task}-{split}-k{k}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     typer.echo(path)
-
-
-def _engine(
-    model: str,
-    task: str,
-    task_kwargs: dict[str, Any],
-    seed: int,
-    device: str,
-    tokenizer: Path | None,
-    adapter: Path | None = None,
-) -> tuple[Any, Any, Path | None]:
-    """The engine a ``--model`` names, its tokenizer, and the model directory (None unless
-    ``model`` is one): ``http:URL`` samples through the ``http`` engine, anything else loads
-    with ``load_spec`` and samples in this process."""
-    from anchor_rl.rollout.engine import make_engine
-    from anchor_rl.rollout.spec import bare_url
-
-    if why := bare_url(model):  # http://... starts with "http:" too
-        raise typer.BadParameter(why, param_hint="--model")
-    if model.startswith("http:"):
-        if adapter is not None:
-            raise typer.BadParameter(
-                "--adapter applies to a model loaded here; load the adapter into the server "
-                "instead (anchor-rl serve --adapter)",
-                param_hint="--adapter",
-            )
-        engine = served(model, tokenizer)
-        return engine, engine.tokenizer, None
-    policy, tok = load_model(model, task, task_kwargs, seed, device, adapter)
-    where = Path(model) if (Path(model) / "config.json").is_file() else None
-    return make_engine("hf", policy, tok), tok, adapter if adapter is not None else where

@@ -22,6 +22,24 @@ THREADS_HELP = (
 )
 ThreadsOption = Annotated[str, typer.Option("--threads", help=THREADS_HELP)]
 """The ``--threads auto|N`` option of the commands that run a model in this process."""
+TaskKwargsOpt = Annotated[
+    str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
+]
+DeviceOpt = Annotated[str, typer.Option(help="Torch device.")]
+AdapterOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="A LoRA adapter directory (PEFT format: a LoRA run's checkpoint policy/) applied to "
+        "--model, its base model, merged into its weights."
+    ),
+]
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Tokenizer directory for an http: model whose server does not serve its tokenizer "
+        "(anchor-rl serve does)."
+    ),
+]
 
 
 def use_threads(text: str) -> Setting:
@@ -52,6 +70,17 @@ def parse_task_kwargs(text: str | None, hint: str = "--task-kwargs") -> dict[str
     if not isinstance(value, dict):
         raise typer.BadParameter("must be a JSON object like '{\"key\": 1}'", param_hint=hint)
     return value
+
+
+def sampling_option(**fields: Any) -> Any:
+    """``SamplingParams(**fields)`` of the sampling options; ``typer.BadParameter`` saying
+    why they cannot sample (e.g. ``--top-p 0``)."""
+    from anchor_rl.rollout.types import SamplingParams
+
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def load_model(
@@ -94,3 +123,33 @@ def served(model: str, tokenizer_dir: Path | None) -> Any:
         return connect(model, tokenizer)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
+
+
+def open_engine(
+    model: str,
+    task: str,
+    task_kwargs: dict[str, Any],
+    seed: int,
+    device: str,
+    tokenizer_dir: Path | None,
+    adapter: Path | None = None,
+    freeze: bool = False,
+) -> tuple[Any, Any, Any]:
+    """``(engine, policy, tokenizer)`` of a ``--model``: ``http:URL`` samples through the
+    ``http`` engine (:func:`served`; policy None), anything else is loaded here
+    (:func:`load_model`, ``freeze``: as a frozen reference) and samples with the ``hf`` engine."""
+    from anchor_rl.rollout.engine import make_engine
+    from anchor_rl.rollout.spec import frozen
+
+    if model.startswith("http:"):  # http://... too: served() names the fix
+        if adapter is not None:
+            raise typer.BadParameter(
+                "--adapter applies to a model loaded here; load the adapter into the server "
+                "instead (anchor-rl serve --adapter)",
+                param_hint="--adapter",
+            )
+        engine = served(model, tokenizer_dir)
+        return engine, None, engine.tokenizer
+    policy, tokenizer = load_model(model, task, task_kwargs, seed, device, adapter)
+    policy = frozen(policy) if freeze else policy
+    return make_engine("hf", policy, tokenizer), policy, tokenizer

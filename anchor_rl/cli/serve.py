@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from anchor_rl.cli.options import AdapterOpt, DeviceOpt
+
 
 def serve_command(
     model: Annotated[str, typer.Option(help="A model directory, sft:SIZE or random:SIZE.")],
@@ -37,14 +39,8 @@ def serve_command(
         float,
         typer.Option(min=0.0, help="How long a batch waits for concurrent requests to join it."),
     ] = 5.0,
-    device: Annotated[str, typer.Option(help="Torch device.")] = "cpu",
-    adapter: Annotated[
-        str | None,
-        typer.Option(
-            help="A LoRA adapter directory (PEFT format: a LoRA run's checkpoint policy/) "
-            "applied to --model, its base model; served merged into its weights."
-        ),
-    ] = None,
+    device: DeviceOpt = "cpu",
+    adapter: AdapterOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve a model: /v1/completions, /v1/chat/completions, /v1/models, /v1/weights, /health.

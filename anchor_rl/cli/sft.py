@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from anchor_rl.cli.options import ThreadsOption, parse_task_kwargs, use_threads
+from anchor_rl.cli.options import TaskKwargsOpt, ThreadsOption, parse_task_kwargs, use_threads
 
 
 def parse_class_stop(text: str | None) -> dict[str, Any] | bool | None:
@@ -45,9 +45,7 @@ def sft(
         int | None, typer.Option(help="Sequences per step. Default: the task's tuned value.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the initialisation and the data order.")] = 0,
-    task_kwargs: Annotated[
-        str | None, typer.Option(help="Task constructor kwargs as a JSON object.")
-    ] = None,
+    task_kwargs: TaskKwargsOpt = None,
     data_kwargs: Annotated[
         str | None,
         typer.Option(
@@ -87,10 +85,9 @@ def sft(
     from anchor_rl.models.factory import SIZES
     from anchor_rl.models.sft import TASK_DEFAULTS, default_config, is_complete, sft_dir, train_sft
     from anchor_rl.rollout.evaluate import class_shares
-
-    role = "teacher" if teacher else "reference"
     from anchor_rl.tasks import TASKS
 
+    role = "teacher" if teacher else "reference"
     if size not in SIZES:
         raise typer.BadParameter(
             f"unknown size {size!r}; choose one of {', '.join(SIZES)}", param_hint="--size"
@@ -104,11 +101,12 @@ def sft(
     stop = parse_class_stop(class_stop)
     transformers.utils.logging.disable_progress_bar()
     use_threads(threads)
+    settings: dict[str, Any] = {
+        "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "task_kwargs": kwargs,
+        "data_kwargs": data, "class_stop": stop,
+    }  # fmt: skip
     try:
-        cfg = default_config(
-            task, size, role, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-            task_kwargs=kwargs, data_kwargs=data, class_stop=stop,
-        )  # fmt: skip
+        cfg = default_config(task, size, role, **settings)
     except (TypeError, ValueError) as exc:  # a bad --steps, --lr or --class-stop field
         raise typer.BadParameter(str(exc)) from exc
     cached = is_complete(sft_dir(cfg, out), cfg)
@@ -119,20 +117,7 @@ def sft(
         + (f" class_stop={json.dumps(asdict(cfg.class_stop))}" if cfg.class_stop else "")
         + f" ({source})"
     )
-    path = train_sft(
-        task,
-        size,
-        steps=steps,
-        lr=lr,
-        batch_size=batch_size,
-        seed=seed,
-        task_kwargs=kwargs,
-        data_kwargs=data,
-        out=out,
-        role=role,
-        class_stop=stop,
-        validate=class_shares,
-    )
+    path = train_sft(task, size, **settings, out=out, role=role, validate=class_shares)
     typer.echo(
         "cached, not retrained:" if cached else f"trained; loss curve: {path / 'loss_curve.png'}"
     )

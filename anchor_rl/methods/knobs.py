@@ -1,7 +1,9 @@
-"""Helpers of the config rules: which knobs of a section are set, and the message for a knob
-that has no effect in the run."""
+"""Helpers of the config rules: which knobs of a section are set, the message for a knob that
+has no effect in the run, and a section's rules in another host's names."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel
 
@@ -20,3 +22,12 @@ def no_effect(section: str, names: list[str], why: str) -> str:
     """``SECTION.A, SECTION.B have no effect: WHY``."""
     keys = ", ".join(f"{section}.{n}" for n in names)
     return f"{keys} {'has' if len(names) == 1 else 'have'} no effect: {why}"
+
+
+def in_host_terms(errors: Sequence[str], names: Mapping[str, str]) -> str:
+    """A section's ``errors()`` joined by "; ", each setting named as a host (a plug-in) names
+    it: ``names`` maps anchor-rl train's name to the host's, replaced in order ("" if none)."""
+    text = "; ".join(errors)
+    for native, host in names.items():
+        text = text.replace(native, host)
+    return text

@@ -125,35 +125,32 @@ class Job:
         return len(self.contexts)
 
 
-def _int(
-    body: dict[str, Any], name: str, default: int | None, low: int | None = None
-) -> int | None:
+def _typed(body: dict[str, Any], name: str, default: Any, kind: Any, what: str) -> Any:
+    """``body[name]`` if it is a ``kind`` (a bool only where ``kind`` is bool), ``default``
+    when absent or null; BadRequest saying it must be ``what`` otherwise."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"`{name}` must be an integer, got {value!r}", name)
-    if low is not None and value < low:
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise BadRequest(f"`{name}` must be {what}, got {value!r}", name)
+    return value
+
+
+def _int(
+    body: dict[str, Any], name: str, default: int | None, low: int | None = None
+) -> int | None:
+    value = _typed(body, name, default, int, "an integer")
+    if low is not None and value is not None and value < low:
         raise BadRequest(f"`{name}` must be >= {low}, got {value}", name)
     return value
 
 
 def _float(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"`{name}` must be a number, got {value!r}", name)
-    return float(value)
+    return float(_typed(body, name, default, int | float, "a number"))
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"`{name}` must be true or false, got {value!r}", name)
-    return value
+    return _typed(body, name, default, bool, "true or false")
 
 
 def _ids(value: list[Any], vocab: int, name: str) -> list[int]:

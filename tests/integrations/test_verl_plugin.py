@@ -240,6 +240,14 @@ def test_knobs_the_methods_other_settings_switch_off_are_refused(method, node, n
     check_verl_config(read, MethodConfig.from_verl(read))
 
 
+def test_v05s_own_rules_apply_in_the_nodes_names() -> None:
+    """V05Config.errors' rule for history knobs without a history layer, as anchor-rl's trainer
+    refuses it."""
+    cfg = _verl_cfg("v05", anchor_rl={"v05": {"prior": "anchor", "history_gamma": 0.5}})
+    with pytest.raises(ValueError, match=r"^anchor_rl\.v05\.history_gamma has no effect: "):
+        check_verl_config(cfg, MethodConfig.from_verl(cfg))
+
+
 def test_the_method_node_is_validated_with_anchor_rls_own_rules() -> None:
     with pytest.raises(ValueError, match="knn prior"):
         MethodConfig.from_verl({"anchor_rl": {"method": "v05", "v05": {"prior": "knn+history"}}})

@@ -79,14 +79,12 @@ def check_grpo_args(
             "remove_unused_columns=True drops the prompt_id column the methods look prompts "
             "up by; set remove_unused_columns=False"
         )
-    if a.top_k not in (0, -1, None):
-        problems.append(f"top_k={a.top_k}: anchors are sampled without top-k; set top_k=0")
-    if a.min_p is not None:
-        problems.append(f"min_p={a.min_p}: anchors are sampled without min-p; set min_p=None")
-    if a.repetition_penalty != 1.0:
-        problems.append(
-            f"repetition_penalty={a.repetition_penalty}: anchors are sampled without it; set 1.0"
-        )
+    for name, off, what in (("top_k", (0, -1, None), "top-k"), ("min_p", (None,), "min-p"),
+                            ("repetition_penalty", (1.0,), "it")):  # fmt: skip
+        if (value := getattr(a, name)) not in off:
+            problems.append(
+                f"{name}={value}: anchors are sampled without {what}; set {name}={off[0]}"
+            )
     weights = list(a.reward_weights or [])
     if any(float(w) != 1.0 for w in weights):
         problems.append(

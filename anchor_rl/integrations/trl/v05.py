@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import datasets
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.algos.registry import compute_advantage
 from anchor_rl.anchors.priors import HistoryPrior, prompt_embeddings
@@ -22,7 +20,6 @@ from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.methods.v05 import V05Step, build_prior, check_rewards, uses_anchors, uses_embeddings
 from anchor_rl.methods.v05_config import V05Config
 from anchor_rl.models.tokenizer import encode_prompt
-from anchor_rl.tasks.base import Record, Task
 
 __all__ = ["V05GRPOTrainer"]
 
@@ -57,31 +54,16 @@ class V05GRPOTrainer(AnchoredGRPOTrainer):
 
     def __init__(
         self,
-        model: str | PreTrainedModel,
-        reward_funcs: Any = None,
-        args: Any = None,
-        train_dataset: datasets.Dataset | None = None,
-        eval_dataset: Any = None,
-        processing_class: PreTrainedTokenizerBase | None = None,
-        *,
-        task: Task | str,
+        *args: Any,
         v05: V05Config | Mapping[str, Any] | None = None,
         pvpo: PVPOConfig | Mapping[str, Any] | None = None,
         budget: Literal["fixed", "adaptive"] = "fixed",
-        task_args: Mapping[str, Any] | None = None,
-        records: Sequence[Record] | None = None,
-        reference_model: PreTrainedModel | None = None,
-        progress: bool = True,
         **kwargs: Any,
     ) -> None:
         vc = section(V05Config, v05, "v05")
         pc = section(PVPOConfig, pvpo, "pvpo")
         _check_v05(vc, pvpo is not None, pc, budget)
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, task=task,
-            task_args=task_args, records=records, reference_model=reference_model,
-            progress=progress, **kwargs,
-        )  # fmt: skip
+        super().__init__(*args, **kwargs)
         if self.num_generations > vc.k_max:
             raise ConfigError(
                 f"num_generations={self.num_generations} above v05.k_max={vc.k_max}: raise v05.k_max"

@@ -19,9 +19,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from anchor_rl.integrations.verl import ESTIMATORS, TRAINER
-from anchor_rl.methods.critic_config import CriticConfig
-from anchor_rl.methods.knobs import changed, no_effect
-from anchor_rl.methods.v05_config import V05Config, check_reward_range
+from anchor_rl.methods.critic_config import CriticConfig, Lambda
+from anchor_rl.methods.knobs import changed, in_host_terms
+from anchor_rl.methods.pvpo_config import NATIVE_ONLY, PVPOConfig
+from anchor_rl.methods.v05_config import V05Config, V05Knobs
 from anchor_rl.section import Section
 
 __all__ = [
@@ -81,6 +82,11 @@ class PVPOSection(Section):
                 "reference refresh would need the initial weights loaded into them); anchor-rl "
                 "train and the TRL plug-in refresh. Drop them"
             )
+        if isinstance(data, Mapping) and (names := [k for k in NATIVE_ONLY if k in data]):
+            raise ValueError(
+                f"pvpo.{', pvpo.'.join(names)}: built in anchor-rl train only, not in the verl "
+                "trainer (docs/pvpo.md); drop them"
+            )
         return data
 
     @field_validator("teacher")
@@ -97,36 +103,14 @@ class PVPOSection(Section):
         return value
 
 
-class V05Section(Section):
-    """V0.5's prior, fusion and rollout budget (anchor-rl's `v05` section, docs/v05.md)."""
+class V05Section(V05Knobs):
+    """V0.5's prior, fusion and rollout budget: anchor-rl's V0.5 knobs (docs/v05.md; the knn
+    prior and its knobs are not offered) and `budget`. `reward_range` bounds verl's reward
+    before any KL in the reward; `rollout.n` above `k_max` is refused with either budget."""
 
-    prior: str = "anchor+history"
-    """`anchor`, `history` or `anchor+history` (`knn` needs the policy's hidden states, which
-    live on verl's workers: refused)."""
-    sigma2: Literal["worst", "prior"] = "worst"
-    """Per-rollout reward variance of the fusion: `worst` or `prior`."""
-    k_max: int = Field(16, gt=0)
-    """Most rollouts per prompt, top-ups included (paper: 16); `rollout.n` above it is
-    refused with either budget."""
-    cost: float | None = Field(None, ge=0)
-    """Budget: add a rollout while it lowers the estimated baseline MSE by more than this.
-    None: the paper's 0.0039 for +-1 rewards scaled to `reward_range`."""
-    top_up_rounds: int = Field(2, ge=0)
-    """Adaptive budget: most top-up rounds per step, one rollout submission each."""
-    reward_range: tuple[float, float] = (0.0, 1.0)
-    """(lo, hi) of verl's reward (before any KL in the reward); a reward outside it is an error."""
-    history_strength: float = Field(4.0, gt=0)
-    """`history` prior: weight of the base prior's prediction, in rollouts."""
-    history_gamma: float = Field(0.95, gt=0, le=1)
-    """`history` prior: per-step forgetting of past evidence."""
     budget: Literal["fixed", "adaptive"] = "adaptive"
     """`fixed`: rollout.n per prompt. `adaptive`: top-ups where the rollouts reject the prior.
     Either way rollout.n must not exceed `k_max`."""
-
-    @field_validator("reward_range")
-    @classmethod
-    def _reward_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        return check_reward_range(value)
 
     @field_validator("prior")
     @classmethod
@@ -143,21 +127,21 @@ class V05Section(Section):
         return V05Config(**self.model_dump(exclude={"budget"}))
 
 
-class VAPOSection(Section):
-    """VAPO's decoupled and length-adaptive GAE and positive-example NLL (docs/vapo.md)."""
+_GAE = CriticConfig.model_fields
+"""The GAE knobs VAPO shares with anchor-rl's ``critic`` section, declared there."""
 
-    lam: float | Literal["policy"] = 1.0
-    """Lambda of the critic's value targets (VAPO: 1.0, Monte-Carlo returns); `policy`: the
-    policy's lambda (no decoupling)."""
-    policy_lam: float | Literal["adaptive"] = "adaptive"
+
+class VAPOSection(Section):
+    """VAPO's decoupled and length-adaptive GAE (the knobs of anchor-rl's `critic` section, the
+    adaptive policy lambda by default) and positive-example NLL (docs/vapo.md)."""
+
+    lam: Lambda | Literal["policy"] = _GAE["lam"]
+    policy_lam: Lambda | Literal["adaptive"] = "adaptive"
     """Lambda of the policy's advantages: a number, or `adaptive` (1 - 1/(lam_alpha * l) per
     response of l tokens)."""
-    lam_alpha: float = Field(0.05, gt=0)
-    """alpha of the length-adaptive lambda (VAPO: 0.05)."""
-    lam_min: float = Field(0.0, ge=0, lt=1)
-    """Lower clamp of the length-adaptive lambda."""
-    whiten: bool = True
-    """Whiten the policy's advantages over the batch's response tokens (as verl's GAE does)."""
+    lam_alpha: float = _GAE["lam_alpha"]
+    lam_min: float = _GAE["lam_min"]
+    whiten: bool = _GAE["whiten"]
     nll_coef: float = Field(0.1, ge=0)
     """Weight of the NLL loss on correct responses (VAPO: 0.1); 0 leaves verl's actor loss as is."""
 
@@ -237,34 +221,20 @@ _ANCHOR_FIELDS = ("m", "presample_batch", "anchor_key", "reference")
 """The ``pvpo`` knobs an anchor-based V0.5 prior reads (presampling of its anchors)."""
 
 
-_TOP_UP_FIELDS = ("cost", "top_up_rounds")
-"""V0.5's knobs that only the adaptive budget reads."""
-_LAMBDA_FIELDS = ("lam_alpha", "lam_min")
-"""VAPO's knobs that only the length-adaptive policy lambda reads."""
-
-
 def unread_knobs(method: MethodConfig) -> list[str]:
     """The knobs of ``method`` set away from their defaults in a section the chosen method
     does not read (``pvpo.teacher`` with ``method=v05``, ``v05.*`` with ``method=pvpo``, ...),
     as ``anchor_rl.SECTION.FIELD``. A section at its defaults, as the example config writes
     every knob, is fine."""
-    name = method.method
-    read: dict[str, tuple[str, ...]] = {
-        "pvpo": tuple(PVPOSection.model_fields) if name == "pvpo" else (),
-        "v05": tuple(V05Section.model_fields) if name == "v05" else (),
-        "vapo": tuple(VAPOSection.model_fields) if name == "vapo" else (),
-    }
-    if name == "v05" and method.uses_anchors:
-        read["pvpo"] = _ANCHOR_FIELDS
-    unread = []
-    for section, fields in read.items():
-        value = getattr(method, section)
-        default = type(value)()
-        unread += [
-            f"anchor_rl.{section}.{f}"
-            for f in type(value).model_fields
-            if f not in fields and getattr(value, f) != getattr(default, f)
-        ]
+    name, unread = method.method, []
+    for section in ("pvpo", "v05", "vapo"):
+        if section != name:  # the method's own section: every knob is read
+            read = _ANCHOR_FIELDS if section == "pvpo" and method.uses_anchors else ()
+            unread += [
+                f"anchor_rl.{section}.{f}"
+                for f in changed(getattr(method, section))
+                if f not in read
+            ]
     return unread
 
 
@@ -284,19 +254,6 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
             f"{', '.join(unread)} set with anchor_rl.method={name}, which does not read them "
             f"(it reads {reads}): drop them or set them to their defaults"
         )
-    # knobs of the chosen method's own section that its other settings switch off (anchor-rl's
-    # trainer refuses the same, trainer.config.combination_errors)
-    v05, vapo = method.v05, method.vapo
-    if name == "v05" and v05.budget != "adaptive" and (names := changed(v05, _TOP_UP_FIELDS)):
-        why = "they size top-ups: set anchor_rl.v05.budget=adaptive"
-        raise ValueError(no_effect("anchor_rl.v05", names, why))
-    if (
-        name == "vapo"
-        and vapo.policy_lam != "adaptive"
-        and (names := changed(vapo, _LAMBDA_FIELDS))
-    ):
-        why = "they shape the length-adaptive lambda: set anchor_rl.vapo.policy_lam=adaptive"
-        raise ValueError(no_effect("anchor_rl.vapo", names, why))
     estimator = select(cfg, "algorithm.adv_estimator")
     if estimator != ESTIMATORS[name]:
         raise ValueError(
@@ -332,6 +289,17 @@ def check_verl_config(cfg: Any, method: MethodConfig) -> None:
             f"the rollouts every prompt starts with): set actor_rollout_ref.rollout.n <= "
             f"{k_max} or raise anchor_rl.v05.k_max to at least {n}"
         )
+    # anchor-rl's own rules of the method's section (knobs its other settings switch off),
+    # named as in the node; after the k_max rule above, which says more for verl
+    errors, names = [], {}
+    if name == "v05":  # no anchor refresh here (PVPOSection): the default pvpo section
+        v05 = method.v05
+        errors = v05.v05_config().errors(PVPOConfig(), n=n, budget=v05.budget, overlong_cache=0)
+        names = {'rollout.budget="adaptive"': "v05.budget=adaptive", "v05.": "anchor_rl.v05."}
+    elif name == "vapo":
+        errors, names = method.vapo.critic_config().errors(), {"critic.": "anchor_rl.vapo."}
+    if text := in_host_terms(errors, names):
+        raise ValueError(text)
     if name == "vapo":
         if select(cfg, "critic.enable") is False:
             raise ValueError("anchor_rl.method=vapo needs verl's critic: set critic.enable=true")
