@@ -179,6 +179,22 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return (nll * mask.reshape(-1)).sum() / mask.sum().clamp(min=1)
 
 
+def sft_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    grad_clip: float,
+) -> float:
+    """One optimiser step on ``batch`` (:func:`collate`'s tensors, ``[B, L]``) at the
+    optimiser's current learning rate, gradients clipped to ``grad_clip``; the loss."""
+    loss = sft_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
 def lr_at(step: int, cfg: SFTConfig) -> float:
     """Linear warmup to ``cfg.lr`` then cosine decay to ``cfg.lr / 10`` at ``cfg.steps``."""
     if step < cfg.warmup:
@@ -311,12 +327,8 @@ def run_sft(
                 continue  # the data order replayed up to where the interrupted run stopped
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
-            loss = sft_loss(model, collate([examples[i] for i in idx], tokenizer.pad_token_id))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            losses.append(loss.item())
+            batch = collate([examples[i] for i in idx], tokenizer.pad_token_id)
+            losses.append(sft_step(model, optimizer, batch, cfg.grad_clip))
             done = (
                 checks is not None and checks.due(step + 1, cfg.steps) and checks.evaluate(step + 1)
             )
