@@ -170,6 +170,11 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
             blocks.append(("table", paired_rows))
         if suite in results.budgets:
             blocks += _budget_blocks(methods, results.budgets[suite])
+        if suite in results.sweeps:
+            from anchor_rl.bench.sweep import sweep_blocks
+
+            blocks += [("p", "**Sweep sharing one anchor store.**")]
+            blocks += sweep_blocks(results.sweeps[suite])
     blocks.append(
         (
             "p",

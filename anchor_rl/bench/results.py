@@ -45,6 +45,9 @@ class Results:
     budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Suite (as its methods name it) -> its common budget, ``{"rollouts", "mode",
     "to_budget"}``, for suites run with one (``budget`` in the suite file)."""
+    sweeps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Suite -> its sweep cost summary (:func:`~anchor_rl.bench.sweep.sweep_summary`), for
+    suites run with ``shared_anchors = true``."""
 
 
 def load_results(paths: Sequence[Path]) -> Results:
@@ -76,6 +79,8 @@ def load_results(paths: Sequence[Path]) -> Results:
             if budget := payload.get("budget"):
                 keys = ("rollouts", "mode", "to_budget")
                 results.budgets[suite] = {k: budget[k] for k in keys}
+            if sweep := payload.get("sweep"):
+                results.sweeps[suite] = sweep
             suite_dirs.add(file.parent.resolve())
         elif file.name == "baseline_mse.json":
             results.mse.append((file.parent, payload))

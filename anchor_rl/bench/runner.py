@@ -31,13 +31,17 @@ A suite is a TOML file (``anchor_rl/bench/suites/NAME.toml`` or any path)::
     budget = "max"                      # optional: the common rollout budget, "max" or a number
     to_budget = ["grpo+n2"]             #   and the cells run to it (budget.rollouts) instead
                                         #   of to their steps
+    shared_anchors = true               # optional: a sweep, one anchor store and draw for all
 
 Settings apply in this order: preset, ``base``, ``per_preset``, the profile (its own
 ``per_preset`` last), the variant, the profile's settings for that variant, ``seed``, the
 command line (``--steps``, ``key=value``). A run that reads PVPO's anchors and sets no
 ``pvpo.presample_seed`` draws them with its own ``seed``, so a suite's spread over seeds
 includes the anchors' sampling noise (a training run's default anchor seed is 0, shared by
-every seed).
+every seed). With ``shared_anchors = true`` the suite is a sweep
+(:mod:`anchor_rl.bench.sweep`): every run that reads anchors draws them once for the whole
+suite (one ``pvpo.presample_seed``, one store, ``OUT/anchors.db`` unless set), and the
+summary adds the sweep's cost per run, cumulative cost and break-even k.
 
 With ``budget`` and ``to_budget``, the cells in ``to_budget`` run to a common budget of
 total rollouts (``budget.rollouts``, :mod:`anchor_rl.trainer.budget`) rather than to their
@@ -92,6 +96,9 @@ class Suite:
     of the runs not in ``to_budget`` (None: no budget; every cell runs its steps)."""
     to_budget: list[str] = field(default_factory=list)
     """Labels of the cells run to ``budget`` (``budget.rollouts``) instead of their steps."""
+    shared_anchors: bool = False
+    """A sweep: the runs that read anchors share one store and one anchor draw, and the
+    summary adds the sweep's cost summary (:mod:`anchor_rl.bench.sweep`)."""
 
 
 SUITE_KEYS = {f.name for f in fields(Suite)} - {"name"}
@@ -151,6 +158,8 @@ def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
     if unused := sorted({k for layer in per_preset for k in layer} - set(table["presets"])):
         raise ConfigError(f"suite {name!r}: per_preset names {unused}, not among its presets")
     check_budget(name, table.get("budget"), table.get("to_budget", []))
+    if not isinstance(table.get("shared_anchors", False), bool):
+        raise ConfigError(f"suite {name!r}: shared_anchors must be true or false")
     return Suite(
         name=name,
         description=table.get("description", ""),
@@ -166,6 +175,7 @@ def load_suite(name_or_path: str, others: Sequence[str] = ()) -> Suite:
         baseline=table.get("baseline"),
         budget=table.get("budget"),
         to_budget=list(table.get("to_budget", [])),
+        shared_anchors=table.get("shared_anchors", False),
     )
 
 
@@ -255,8 +265,8 @@ def plan(
                     table = _merge(table, layer)
                 try:
                     cfg = build_config(apply_overrides(table, cli))
-                    if cfg.pvpo.presample_seed is None and _reads_anchors(cfg):
-                        table = _merge(table, {"pvpo": {"presample_seed": seed}})
+                    if _reads_anchors(cfg) and (draw := _anchor_draw(suite, cfg, seed, out)):
+                        table = _merge(table, {"pvpo": draw})
                         cfg = build_config(apply_overrides(table, cli))
                 except ConfigError as e:
                     raise ConfigError(
@@ -268,8 +278,25 @@ def plan(
                     number = suite.budget if isinstance(suite.budget, int) else 1
                     spec = with_budget(spec, number, f"suite {suite.name!r}, run {label}")
                 specs.append(spec)
+    if suite.shared_anchors:
+        from anchor_rl.bench.sweep import check_shared
+
+        draws = {f"{s.label} seed {s.seed}": (s.config.pvpo.store, s.config.pvpo.presample_seed)
+                 for s in specs if _reads_anchors(s.config)}  # fmt: skip
+        check_shared(suite.name, draws)
     _check_tasks(specs)
     return specs
+
+
+def _anchor_draw(suite: Suite, cfg: TrainConfig, seed: int, out: Path) -> dict[str, Any]:
+    """The ``pvpo`` settings of an anchor-reading run's draw: a sweep's one draw
+    (:func:`~anchor_rl.bench.sweep.shared_anchor_settings`), else the run's seed when it
+    sets no ``presample_seed``."""
+    if suite.shared_anchors:
+        from anchor_rl.bench.sweep import shared_anchor_settings
+
+        return shared_anchor_settings(cfg.pvpo, out)
+    return {"presample_seed": seed} if cfg.pvpo.presample_seed is None else {}
 
 
 def _reads_anchors(cfg: TrainConfig) -> bool:
@@ -393,6 +420,7 @@ def run_suite(
         suite.name, specs, Path(out), suite.target_accuracy, suite.target_metric, suite.baseline,
         budget=None if suite.budget is None else {"rollouts": budget, "mode": suite.budget,
                                                   "to_budget": list(suite.to_budget)},
+        sweep=suite.shared_anchors, order=order,
     )  # fmt: skip
 
 
@@ -436,12 +464,16 @@ def report(
     metric: str = "eval/accuracy",
     baseline: str | None = None,
     budget: Mapping[str, Any] | None = None,
+    sweep: bool = False,
+    order: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """summary.json, summary.md and the accuracy plots of finished runs (``target``: the
     value of ``metric`` the runs are timed to, where they reach it and stay; ``baseline``:
     the label the comparisons over held-out prompts compare to, default the first;
     ``budget``: the suite's common budget, ``{"rollouts", "mode", "to_budget"}``, for the
-    comparisons at equal budget, :func:`~anchor_rl.bench.budget.suite_comparison`)."""
+    comparisons at equal budget, :func:`~anchor_rl.bench.budget.suite_comparison`; ``sweep``:
+    add the sweep's cost summary, :func:`~anchor_rl.bench.sweep.sweep_summary`, over the runs
+    in ``order``, indices of ``specs`` in the order they ran, default as given)."""
     from anchor_rl.bench.plots import plot_suite
     from anchor_rl.bench.summary import (
         amortise,
@@ -492,6 +524,18 @@ def report(
         costs = Costs.from_dict(json.loads(measured.read_text())) if measured.is_file() else None
         payload, blocks = suite_comparison(runs_data, budget, baseline or labels[0], costs)
         extra, extra_md = {"budget": payload}, blocks_markdown(blocks)
+    if sweep:
+        from anchor_rl.bench.sweep import sweep_markdown, sweep_summary
+
+        ran = [specs[i] for i in (order if order is not None else range(len(specs)))]
+        keys = ("label", "seed", "records", "evals", "reads_anchors", "dir")
+        payload = sweep_summary([
+            dict(zip(keys, (s.label, s.seed, records[s.run_dir], evals[s.run_dir],
+                            _reads_anchors(s.config), s.run_dir), strict=True))
+            for s in ran
+        ])  # fmt: skip
+        extra = {**(extra or {}), "sweep": payload}
+        extra_md += ("\n" if extra_md else "") + sweep_markdown(payload)
     json_path, md_path = write_summary(out, name, runs, groups, comparisons, extra, extra_md)
     by_label: dict[str, list] = {}
     for spec in specs:

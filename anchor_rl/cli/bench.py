@@ -74,6 +74,15 @@ def bench(
         str | None,
         typer.Option("--to-budget", help="Comma-separated labels run to --budget, not to steps."),
     ] = None,
+    shared_anchors: Annotated[
+        bool | None,
+        typer.Option(
+            "--shared-anchors/--own-anchors",
+            help="A sweep: every run that reads anchors shares one store and one anchor draw, "
+            "and the summary adds the sweep's cost per run and break-even k (default: the "
+            "suite's shared_anchors).",
+        ),
+    ] = None,
 ) -> None:
     """Run a benchmark suite; writes summary.json, summary.md and accuracy plots.
 
@@ -86,8 +95,9 @@ def bench(
     seed_list = _parse_seeds(seeds) if seeds is not None else None
     settings = [*(overrides or []), *([f"device={device}"] if device else [])]
     if suite in FUNCTION_SUITES:
-        if runs is not None:
-            raise ConfigError(f"--runs picks runs of a suite file; suite {suite!r} has none")
+        if runs is not None or shared_anchors is not None:
+            flag = "--runs" if runs is not None else "--shared-anchors/--own-anchors"
+            raise ConfigError(f"{flag} applies to a suite file; suite {suite!r} is a function")
         module, _, name = FUNCTION_SUITES[suite].partition(":")
         run, target = getattr(importlib.import_module(module), name), suite
     else:
@@ -101,6 +111,8 @@ def bench(
             from anchor_rl.bench.runner import budget_options
 
             loaded = budget_options(loaded, budget, to_budget)
+        if shared_anchors is not None:
+            loaded = dataclasses.replace(loaded, shared_anchors=shared_anchors)
         run, target = functools.partial(run_suite, loaded), loaded.name
     args = BenchArgs(
         out or Path("bench") / target, seeds=seed_list, steps=steps, overrides=settings,

@@ -13,7 +13,8 @@ Rollout accounting: ``rollouts/presample`` and ``rollouts/refresh`` count the ro
 anchors in use rest on (the sum of ``n`` over their prompts), whether this process sampled
 them or found them in the store, so a run's totals do not depend on the cache and a
 resumed run counts exactly what an uninterrupted one does. What this process really
-sampled is in ``RUN_DIR/pvpo.json`` and the ``pvpo/refresh_sampled`` metric. A model
+sampled is in ``RUN_DIR/pvpo.json``, ``pvpo/refresh_sampled`` and the run's cumulative
+``pvpo/anchors_sampled`` (not in ``rollouts/total``; :mod:`anchor_rl.bench.sweep`). A model
 teacher's generations behind the trajectories (failed tries included) are
 ``rollouts/teacher``; the oracle generates nothing and costs none. All three join
 ``rollouts/total``.
@@ -238,6 +239,7 @@ class PVPO(Component):
         self.pooled = PooledAnchors() if cfg.pvpo.anchor_update == "pooled" else None
         self.reusing: ReusingEngine | None = None
         self._reused = torch.zeros(0, dtype=torch.bool)  # this step's reused rows [B]
+        self.sampled_before = self.refresh_sampled = 0  # see anchors_sampled
         if isinstance(anchor_set, LazyWalk):
             self._start_lazy(setup, anchor_set)
             return
@@ -304,6 +306,13 @@ class PVPO(Component):
     @presample_rollouts.setter
     def presample_rollouts(self, value: int) -> None:
         self._presample_rollouts = value
+
+    @property
+    def anchors_sampled(self) -> int:
+        """Reference rollouts the run sampled itself for its anchors, presampling and refreshes
+        over its processes (the rest of presample + refresh rollouts was read from the store)."""
+        now = self.lazy.sampled_now if self.lazy is not None else self.set.result.rollouts
+        return self.sampled_before + now + self.refresh_sampled
 
     @property
     def teacher_rollouts(self) -> int:
@@ -491,6 +500,7 @@ class PVPO(Component):
         result = self.set.refresh(self.records, pc, completed, sampler, fingerprint)
         self.anchor_key, self.anchors = result.key.digest, result.anchors
         self.refresh_rollouts += anchor_rollouts(result.anchors, self.records)
+        self.refresh_sampled += result.rollouts
         return {
             "pvpo/refresh_sampled": float(result.rollouts),
             "pvpo/refresh_seconds": time.perf_counter() - started,
@@ -501,6 +511,7 @@ class PVPO(Component):
             "anchor_key": self.anchor_key,
             "presample_rollouts": self.presample_rollouts,
             "refresh_rollouts": self.refresh_rollouts,
+            "anchors_sampled": self.anchors_sampled,
         }
         if self.pooled is not None:
             state["pooled"] = self.pooled.state_dict()
@@ -511,6 +522,7 @@ class PVPO(Component):
         A lazy run's walk was re-walked to the checkpoint's cursor (:class:`LazyPrompts`)."""
         if self.pooled is not None and "pooled" in state:
             self.pooled.load_state_dict(state["pooled"])
+        self.sampled_before = int(state.get("anchors_sampled", 0))  # earlier processes'
         if self.lazy is not None:
             if state["anchor_key"] != self.anchor_key:
                 raise RuntimeError(
@@ -535,6 +547,7 @@ class PVPO(Component):
             "rollouts/presample": float(self.presample_rollouts),
             "rollouts/refresh": float(self.refresh_rollouts),
             "rollouts/teacher": float(self.teacher_rollouts),
+            "pvpo/anchors_sampled": float(self.anchors_sampled),
         }
 
 

@@ -177,7 +177,10 @@ def test_kill_9_mid_run_then_resume_samples_no_prompt_twice(extra, m, parity, ti
     assert set(rows.values()) == {m}  # M each: no prompt merged twice
     with AnchorStore(store) as kept:  # the rollouts themselves, kept with reuse only
         assert kept.rollout_count(walk.key.digest) == (m * len(rows) if extra else 0)
-    assert _values(straight) == _values(resumed)
+    # but pvpo/anchors_sampled: the resumed run reads, not samples, what the killed one stored
+    keep = [{k: v for k, v in r.items() if k != "pvpo/anchors_sampled"} for r in _values(resumed)]
+    assert [{k: v for k, v in r.items() if k != "pvpo/anchors_sampled"}
+            for r in _values(straight)] == keep  # fmt: skip
 
 
 def test_reused_first_groups_are_the_presampled_rollouts(parity, tiny, tmp_path, monkeypatch):
