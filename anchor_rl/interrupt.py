@@ -12,6 +12,12 @@ checkpoint), which it leaves first.
 too, and its ``exit_code`` is the shells' ``128 + signal``: 130 for SIGINT, 143 for SIGTERM.
 Outside :func:`stop_signals` the process's own handlers apply. The handler is installed
 only from the main thread (Python delivers signals there); elsewhere the request is inert.
+
+A block with nothing to keep (a run being set up, before its first step) passes
+``at_once``: the first signal raises :class:`Interrupted` with that message at once. A
+library that installs its own handler inside a block (``ray.init`` sets a SIGTERM handler
+that calls ``sys.exit``) is followed by :func:`reclaim_signals`, which puts this module's
+handler back and restores the library's when the outermost block ends.
 """
 
 from __future__ import annotations
@@ -55,9 +61,10 @@ def signal_name(signum: int) -> str:
 class StopRequest:
     """What the signals asked of one job: ``signum`` of the first one (None: none came)."""
 
-    def __init__(self, notice: str = "") -> None:
+    def __init__(self, notice: str = "", at_once: str | None = None) -> None:
         self.signum: int | None = None
         self.notice = notice
+        self.at_once = at_once
         self._shield = 0
         self._pending = False
 
@@ -71,6 +78,12 @@ class StopRequest:
         return Interrupted(self.signum or signal.SIGINT, message)
 
     def _signal(self, signum: int) -> None:
+        if self.at_once is not None:  # nothing to keep: stop now (after a shielded block)
+            self.signum = self.signum or signum
+            if self._shield:
+                self._pending = True
+                return
+            raise self._abort()
         if self.signum is None:  # the first: the job stops at its next safe point
             self.signum = signum
             # os.write: a signal handler must not write to a buffered stream being written
@@ -80,7 +93,14 @@ class StopRequest:
         if self._shield:
             self._pending = True
             return
-        raise Interrupted(self.signum)
+        raise self._abort()
+
+    def _abort(self) -> Interrupted:
+        """The stop a signal raises at once: ``at_once``'s message, else none (the job
+        says what it kept)."""
+        signum = self.signum or signal.SIGINT
+        message = "" if self.at_once is None else self.at_once.format(signal=signal_name(signum))
+        return Interrupted(signum, message)
 
 
 _requests: list[StopRequest] = []
@@ -99,15 +119,16 @@ def _handle(signum: int, frame: FrameType | None) -> None:
 
 
 @contextmanager
-def stop_signals(notice: str = "") -> Iterator[StopRequest]:
+def stop_signals(notice: str = "", at_once: str | None = None) -> Iterator[StopRequest]:
     """Turn SIGTERM and SIGINT into stop requests for the block (see the module docstring).
 
     ``notice`` is printed on stderr when the first signal comes (what the job will do, e.g.
-    ``finishing step 12, then checkpointing; Ctrl-C again stops at once``). Blocks nest: the
-    innermost receives the signals. The previous handlers are restored when the outermost
-    block ends.
+    ``finishing step 12, then checkpointing; Ctrl-C again stops at once``). ``at_once``: a
+    block with nothing to keep; the first signal raises :class:`Interrupted` with this
+    message (``{signal}`` replaced by the signal's name). Blocks nest: the innermost
+    receives the signals. The previous handlers are restored when the outermost block ends.
     """
-    request = StopRequest(notice)
+    request = StopRequest(notice, at_once)
     if threading.current_thread() is not threading.main_thread():
         yield request  # signals reach the main thread only: nothing to install
         return
@@ -122,6 +143,20 @@ def stop_signals(notice: str = "") -> Iterator[StopRequest]:
             for s, handler in _previous.items():
                 signal.signal(s, handler)  # type: ignore[arg-type]
             _previous.clear()
+
+
+def reclaim_signals() -> None:
+    """Inside a :func:`stop_signals` block, put its handler back for any of SIGTERM and SIGINT
+    that code in the block replaced (``ray.init`` installs its own SIGTERM handler); the
+    replacement is what the outermost block restores when it ends. A no-op outside a block
+    or off the main thread."""
+    if not _requests or threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        current = signal.getsignal(s)
+        if current is not _handle:
+            _previous[s] = current
+            signal.signal(s, _handle)
 
 
 @contextmanager
@@ -139,4 +174,4 @@ def shielded() -> Iterator[None]:
         request._shield -= 1
         if not request._shield and request._pending:
             request._pending = False
-            raise Interrupted(request.signum or signal.SIGINT)
+            raise request._abort()

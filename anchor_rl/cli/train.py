@@ -5,6 +5,7 @@ torch and transformers are imported inside the command, so ``anchor-rl --help`` 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +18,41 @@ from anchor_rl.errors import ConfigError
 from anchor_rl.trainer.config import describe, load_config
 from anchor_rl.trainer.presets import parse_override
 
+SETUP_STOPPED = (
+    "stopped by {signal} while the run was set up, before its first step: no checkpoint is "
+    "needed before step 1 (nothing to keep); the same command starts it again"
+)
+
+
+@contextmanager
+def _set_up() -> Iterator[None]:
+    """SIGTERM or Ctrl-C while the run is set up (the model loaded, Ray workers started,
+    anchors presampled) stops it at once (``anchor_rl.interrupt``, ``at_once``: the command
+    group prints :data:`SETUP_STOPPED` and exits 143 or 130), after shutting down the Ray
+    this process started or joined; also when ``ray.init`` installed its own SIGTERM handler
+    meanwhile (``cluster.connect`` reclaims the signal)."""
+    from anchor_rl.interrupt import stop_signals
+
+    try:
+        with stop_signals(at_once=SETUP_STOPPED):
+            yield
+    except KeyboardInterrupt:  # Interrupted, or Ctrl-C off the main thread
+        _shutdown_ray()
+        raise
+
+
+def _shutdown_ray() -> None:
+    """Stop the workers and the local Ray of an abandoned set-up (none if Ray never loaded)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
 
 @contextmanager
 def _stop_exits() -> Iterator[None]:
-    """Ctrl-C while the run is set up (the model loaded, anchors presampled) ends with what
-    to do and exit code 130; a stop during training or SFT (``anchor_rl.interrupt``) says
-    what it kept (the command group prints it, with its exit code)."""
+    """Ctrl-C that reaches the command outside the stop blocks ends with what to do and exit
+    code 130; a stop during set-up, training or SFT (``anchor_rl.interrupt``) says what it
+    kept (the command group prints it, with its exit code)."""
     from anchor_rl.interrupt import Interrupted
 
     try:
@@ -30,11 +60,7 @@ def _stop_exits() -> Iterator[None]:
     except Interrupted:
         raise
     except KeyboardInterrupt:
-        typer.echo(
-            "stopped by SIGINT while the run was set up, before its first step: nothing to "
-            "keep; the same command starts it again",
-            err=True,
-        )
+        typer.echo(SETUP_STOPPED.format(signal="SIGINT"), err=True)
         raise typer.Exit(130) from None
 
 
@@ -114,7 +140,9 @@ def train(
             return
 
         with _stop_exits():
-            run = run_loop(resume_run(resume, resume_overrides, from_checkpoint))
+            with _set_up():
+                resumed = resume_run(resume, resume_overrides, from_checkpoint)
+            run = run_loop(resumed)
     else:
         cfg = load_config(preset, overrides)
         from anchor_rl.trainer.loop import train as run_loop
@@ -127,5 +155,7 @@ def train(
 
         run_dir = out or Path("runs") / f"{cfg.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
         with _stop_exits():
-            run = run_loop(start_run(cfg, run_dir))
+            with _set_up():
+                started = start_run(cfg, run_dir)
+            run = run_loop(started)
     typer.echo(f"run finished: {run.run_dir} (metrics.jsonl, tb/, checkpoints/, summary.json)")

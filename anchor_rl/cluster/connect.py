@@ -10,8 +10,12 @@ import logging
 import math
 import os
 import socket
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
+
+from anchor_rl.errors import ConfigError
+from anchor_rl.interrupt import reclaim_signals
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +81,12 @@ def connect(address: str, cpus_needed: float) -> None:
             include_dashboard=False,
             logging_level=logging.WARNING,
         )
+        reclaim_signals()  # ray.init installed its own SIGTERM handler
         return
     if address == "auto":
         try:
             ray.init(address="auto", logging_level=logging.WARNING)
+            reclaim_signals()
         except ConnectionError as exc:
             raise ConnectionError(
                 "rollout.engine_args.address='auto' found no running Ray cluster on this "
@@ -102,6 +108,77 @@ def connect(address: str, cpus_needed: float) -> None:
             "address=local"
         ) from None
     ray.init(address=address, logging_level=logging.WARNING)
+    reclaim_signals()
+
+
+class WorkerSet(NamedTuple):
+    """One set of Ray rollout workers a run holds: whose model they sample (``name``, for
+    messages), how many, and the CPUs and GPUs each reserves."""
+
+    name: str
+    workers: int
+    cpus: float
+    gpus: float
+
+
+def check_local_fit(address: str, sets: Sequence[WorkerSet], workers_option: str) -> None:
+    """Before a run builds anything: when ``address`` is ``local`` and this process is not
+    connected to Ray yet, start Ray as the first engine would (:func:`connect`, sized for the
+    largest set) and refuse at once, shutting that Ray down, worker ``sets`` that cannot all
+    be held together (:func:`check_fit`): the last set's workers would otherwise wait
+    ``startup_timeout`` for resources the first hold. A Ray this process is connected to
+    already, or a cluster (``auto``, an address), is left unchecked: it may grow."""
+    if not sets or not isinstance(address, str) or address.strip() != "local":
+        return
+    ray = import_ray()
+    if ray.is_initialized():
+        return
+    connect("local", max(s.workers * s.cpus for s in sets))
+    try:
+        check_fit(sets, ray.cluster_resources(), workers_option, cores=local_cpus())
+    except ConfigError:
+        ray.shutdown()
+        raise
+
+
+def check_fit(
+    sets: Sequence[WorkerSet],
+    total: Mapping[str, float],
+    workers_option: str,
+    cores: int | None = None,
+) -> None:
+    """ConfigError unless the worker ``sets`` fit ``total`` (Ray's ``cluster_resources()``)
+    together, for CPUs and GPUs; the message names each set's need and the fix: the
+    ``num_cpus_per_worker`` (``num_gpus_per_worker``) that fits them all and the most
+    workers per set (``workers_option``) that fit. ``cores``: the machine's cores, which a
+    local Ray is sized by, so the suggested fraction fits the next start too (default: the
+    total)."""
+    count = sum(s.workers for s in sets)
+    for resource, key in (("CPU", "cpus"), ("GPU", "gpus")):
+        need = sum(s.workers * getattr(s, key) for s in sets)
+        have = float(total.get(resource, 0))
+        if need <= have + 1e-9:
+            continue
+        room = min(have, cores) if resource == "CPU" and cores else have
+        parts = ", ".join(f"{s.name} {s.workers}" for s in sets)
+        each = max(getattr(s, key) for s in sets)
+        fixes = []
+        if room > 0:
+            fraction = math.floor(room / count * 100) / 100
+            if fraction > 0:
+                fixes.append(f"rollout.engine_args.num_{key}_per_worker={fraction:g}")
+            fewer = math.floor(room / (each * len(sets)) + 1e-9)
+            if fewer >= 1:
+                fixes.append(f"{workers_option}={fewer}")
+        fix = " or ".join(fixes) if fixes else f"fewer {resource}s per worker"
+        raise ConfigError(
+            f"the run's Ray rollout workers need {need:g} {resource} together ({parts} workers "
+            f"x {each:g} {resource}) and Ray has {have:g} in all: the last workers "
+            "would wait rollout.engine_args.startup_timeout for a "
+            f"{resource} the others hold, then fail. Set {fix} (Ray counts reserved "
+            f"{resource}s, not their use: fractions let the sets share them), or join a "
+            "larger cluster with cluster.address"
+        )
 
 
 def _host_port(address: str, default_port: int) -> tuple[str, int]:

@@ -31,9 +31,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
-from anchor_rl.errors import AnchorRLError
+from anchor_rl.errors import AnchorRLError, ConfigError
 from anchor_rl.section import Section
 
 if TYPE_CHECKING:
@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 INSTALL = "pip install 'anchor-rl[lora]'"
+STORED_CONFIG = "lora_config.json"
+"""``RUN_DIR/lora_config.json``: the PEFT config a run read from ``lora.config_file`` at its
+start, which its resumes use instead of the file."""
+STORED_LORA_CONTEXT = "lora_stored_config"
+"""The validation-context key (``TrainConfig.model_validate(..., context=...)``) naming a
+run's stored copy, read instead of ``lora.config_file``."""
 
 
 class LoRAConfig(Section):
@@ -61,10 +67,16 @@ class LoRAConfig(Section):
     layer), or module names (`["q_proj", "v_proj"]`)."""
     config_file: str | None = None
     """A PEFT LoRA config (a JSON file, or a directory holding adapter_config.json) used
-    instead of rank, alpha, dropout and target_modules (which then stay at their defaults)."""
+    instead of rank, alpha, dropout and target_modules (which then stay at their defaults).
+    Read once, when the run starts: the run keeps a copy (RUN_DIR/lora_config.json) that
+    its resumes use."""
+
+    _file: dict[str, Any] | None = PrivateAttr(None)
+    """The PEFT config read from ``config_file`` (or a resumed run's stored copy) when the
+    section was validated."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> LoRAConfig:
+    def _consistent(self, info: ValidationInfo) -> LoRAConfig:
         own = [k for k in ("alpha", "dropout", "target_modules") if k in self.model_fields_set]
         own = [k for k in own if getattr(self, k) != type(self).model_fields[k].default]
         if self.config_file is not None:
@@ -73,7 +85,8 @@ class LoRAConfig(Section):
                 raise ValueError(
                     f"{names} with lora.config_file: the file sets the adapters; drop {names}"
                 )
-            read_config_file(self.config_file)
+            stored = (info.context or {}).get(STORED_LORA_CONTEXT)
+            self._file = read_config_file(stored or self.config_file)
         elif own and not self.rank:
             names = ", ".join(f"lora.{k}" for k in own)
             raise ValueError(
@@ -88,6 +101,51 @@ class LoRAConfig(Section):
     def enabled(self) -> bool:
         """Whether the run trains adapters (a rank, or a config file)."""
         return self.rank > 0 or self.config_file is not None
+
+    @property
+    def file_config(self) -> dict[str, Any] | None:
+        """The PEFT config ``config_file`` held when the section was validated (a resumed
+        run's: the copy the run stored at its start); None without a file."""
+        if self.config_file is None:
+            return None
+        if self._file is None:  # built without validation (model_construct)
+            self._file = read_config_file(self.config_file)
+        return dict(self._file)
+
+
+def store_file_config(lc: LoRAConfig, run_dir: str | Path) -> Path | None:
+    """Write the PEFT config of ``lc.config_file`` (as read when the config was validated)
+    to ``RUN_DIR/lora_config.json``, the copy a resume reads; None without a file."""
+    data = lc.file_config
+    if data is None:
+        return None
+    path = Path(run_dir) / STORED_CONFIG
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    return path
+
+
+def stored_file_config(run_dir: str | Path) -> Path | None:
+    """The run's stored PEFT config (:func:`store_file_config`), or None when it has none."""
+    path = Path(run_dir) / STORED_CONFIG
+    return path if path.is_file() else None
+
+
+def check_same_file_config(given: str, stored: Path) -> None:
+    """ConfigError unless the PEFT config at ``given`` (a ``lora.config_file`` named on a
+    resume's command line) equals the run's ``stored`` copy, naming the keys that differ."""
+    try:
+        new = read_config_file(given)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    old = read_config_file(stored)
+    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ[:4])
+        raise ConfigError(
+            f"lora.config_file={given!r} differs from the LoRA config this run started with "
+            f"(kept in {stored}; {shown}): a resumed run trains the adapters it started with. "
+            "Drop lora.config_file to resume, or start a new run with --out"
+        )
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -150,8 +208,8 @@ def require_peft() -> Any:
 def peft_config(lc: LoRAConfig) -> Any:
     """The ``peft.LoraConfig`` of the ``lora`` section (its settings, or its file)."""
     peft = require_peft()
-    if lc.config_file is not None:
-        data = read_config_file(lc.config_file)
+    data = lc.file_config
+    if data is not None:
         known = set(peft.LoraConfig.__dataclass_fields__)
         return peft.LoraConfig(**{k: v for k, v in data.items() if k in known})
     target = lc.target_modules

@@ -544,10 +544,11 @@ def apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any]) -> dict
     return out
 
 
-def build_config(table: Mapping[str, Any]) -> TrainConfig:
-    """Validate a raw table; errors name the offending field."""
+def build_config(table: Mapping[str, Any], context: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Validate a raw table; errors name the offending field. ``context``: pydantic's
+    validation context (a resumed run's stored LoRA config, ``models.lora.STORED_LORA_CONTEXT``)."""
     try:
-        cfg = TrainConfig.model_validate(table)
+        cfg = TrainConfig.model_validate(table, context=context)
     except ValidationError as e:
         lines = []
         for err in e.errors():

@@ -13,6 +13,7 @@ Run directory layout::
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import typing
@@ -28,11 +29,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl import threads
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.cluster.asynchronous import PrefetchingEngine
+from anchor_rl.cluster.connect import WorkerSet, check_local_fit
+from anchor_rl.cluster.engine import RayEngine
 from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models import checkpointing
 from anchor_rl.models.loading import check_device, disable_dropout, load_policy, quiet_transformers
-from anchor_rl.models.lora import apply_lora, load_adapter, trainable_parameters
+from anchor_rl.models.lora import (
+    STORED_LORA_CONTEXT,
+    apply_lora,
+    check_same_file_config,
+    load_adapter,
+    store_file_config,
+    stored_file_config,
+    trainable_parameters,
+)
 from anchor_rl.rollout.engine import Engine, close_engine, make_engine
 from anchor_rl.rollout.evaluate import evaluate
 from anchor_rl.rollout.spec import load_spec
@@ -142,6 +153,7 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
     if (run_dir / CONFIG_FILE).exists():
         _check_reusable(cfg, run_dir)
     check_device(cfg.device)
+    check_ray_fit(cfg)
     task = load_task(cfg)
     threads.configure(cfg.threads)  # before load_spec: an sft: model may train here
     _seed_everything(cfg.seed)
@@ -153,6 +165,7 @@ def start_run(cfg: TrainConfig, run_dir: Path) -> Run:
         disable_dropout(policy)
     run_dir.mkdir(parents=True, exist_ok=True)  # not before: a model that fails leaves no dir
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    store_file_config(cfg.lora, run_dir)  # lora.config_file as read now: what resumes use
     return _assemble(cfg, run_dir, task, policy, tokenizer, TrainState())
 
 
@@ -224,6 +237,7 @@ def resume_run(
         return start_run(cfg, run_dir)
     path, state = found
     check_device(cfg.device)
+    check_ray_fit(cfg)
     (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     task = load_task(cfg)
 
@@ -267,7 +281,10 @@ def resume_point(
 
 def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) -> TrainConfig:
     """The config a resumed run in ``run_dir`` trains with: its stored one with
-    ``overrides`` (dotted keys; only the fields in ``RESUMABLE_KEYS`` may change), validated."""
+    ``overrides`` (dotted keys; only the fields in ``RESUMABLE_KEYS`` may change), validated.
+    A run started with ``lora.config_file`` reads the copy it stored then
+    (``RUN_DIR/lora_config.json``), not the file, which may have moved or changed since; a
+    ``lora.config_file`` override is accepted when it holds the same config, else refused."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         why = f"no {CONFIG_FILE} in it" if run_dir.is_dir() else "no such directory"
@@ -276,7 +293,10 @@ def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) ->
             f"anchor-rl train --preset NAME --out {run_dir}"
         )
     table = _stored_config(run_dir)
-    overrides = overrides or {}
+    overrides = dict(overrides or {})
+    stored = stored_file_config(run_dir)
+    if stored is not None and "lora.config_file" in overrides:  # the same config: no change
+        check_same_file_config(str(overrides.pop("lora.config_file")), stored)
     for key in overrides:
         if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS):
             raise ConfigError(
@@ -284,7 +304,8 @@ def resumed_config(run_dir: Path, overrides: dict[str, object] | None = None) ->
                 "checkpoint.*, log.*, cluster.*): it would change what the run learns; start a "
                 "new run with --out"
             )
-    return build_config(apply_overrides(table, overrides))
+    context = {STORED_LORA_CONTEXT: str(stored)} if stored is not None else None
+    return build_config(apply_overrides(table, overrides), context)
 
 
 def load_task(cfg: TrainConfig) -> Task:
@@ -439,6 +460,34 @@ def build_components(setup: Setup) -> dict[str, Component]:
             raise ConfigError(f"components: {name!r} is a built-in component's name")
         components[name] = COMPONENTS[name](setup, **cfg.component_args.get(name, {}))
     return dict(components)
+
+
+def ray_worker_sets(cfg: TrainConfig) -> list[WorkerSet]:
+    """The sets of Ray rollout workers a run of ``cfg`` holds at once: the policy's, and with
+    PVPO the reference's (presampling builds its own engine with the same options and keeps
+    it for refreshes); none when the run samples in this process or over HTTP."""
+    name, options = cfg.engine
+    if name != "ray":
+        return []
+    defaults = inspect.signature(RayEngine).parameters
+    value = {k: options.get(k, defaults[k].default) for k in ("workers", "num_cpus_per_worker",
+                                                             "num_gpus_per_worker")}  # fmt: skip
+    shape = (value["workers"], value["num_cpus_per_worker"], value["num_gpus_per_worker"])
+    sets = [WorkerSet("the policy's", *shape)]
+    if "pvpo" in cfg.methods:
+        sets.append(WorkerSet("the reference's (PVPO presampling)", *shape))
+    return sets
+
+
+def check_ray_fit(cfg: TrainConfig) -> None:
+    """Before the run builds anything: a local Ray started for the run must hold every set
+    of its rollout workers at once (:func:`~anchor_rl.cluster.connect.check_local_fit`),
+    else a ConfigError with the fix."""
+    sets = ray_worker_sets(cfg)
+    if sets:
+        option = "cluster.rollout_workers" if cfg.cluster.rollout_workers else (
+            "rollout.engine_args.workers")  # fmt: skip
+        check_local_fit(cfg.engine[1].get("address", "local"), sets, option)
 
 
 def _engine(

@@ -16,7 +16,7 @@ from helpers import TINY, metrics_but_timings
 from typer.testing import CliRunner
 
 from anchor_rl.cli import app
-from anchor_rl.interrupt import Interrupted, shielded, stop_signals
+from anchor_rl.interrupt import Interrupted, reclaim_signals, shielded, stop_signals
 from anchor_rl.trainer import checkpoint, loop
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import load_config
@@ -186,3 +186,43 @@ def test_ctrl_c_while_the_run_is_set_up_says_nothing_was_kept(tmp_path, monkeypa
     result = CliRunner().invoke(app, ["train", *TINY, "--out", str(tmp_path / "run")])
     assert result.exit_code == 130
     assert "stopped by SIGINT while the run was set up, before its first step" in result.output
+
+
+def test_a_block_with_nothing_to_keep_stops_at_the_first_signal_a_library_took() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+
+    def librarys(signum, frame):  # as ray.init's handler: sys.exit wherever the run is
+        raise AssertionError("the library's handler ran")
+
+    try:
+        with pytest.raises(Interrupted) as stopped, stop_signals(at_once="{signal}: none kept"):
+            signal.signal(signal.SIGTERM, librarys)
+            reclaim_signals()
+            os.kill(os.getpid(), signal.SIGTERM)
+            pytest.fail("the first signal did not stop the block")
+        assert stopped.value.exit_code == 143 and str(stopped.value) == "SIGTERM: none kept"
+        assert signal.getsignal(signal.SIGTERM) is librarys  # what the block ended on
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_while_the_run_is_set_up_exits_143_saying_no_checkpoint_is_needed(
+    tmp_path, monkeypatch
+) -> None:
+    def terminated_setup(cfg, run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not stop the set-up")
+
+    def unhandled(signum, frame):  # what the process had: the set-up must replace it
+        raise RuntimeError("SIGTERM reached the process's own handler")
+
+    monkeypatch.setattr("anchor_rl.trainer.run.start_run", terminated_setup)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        result = CliRunner().invoke(app, ["train", *TINY, "--out", str(tmp_path / "run")])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert result.exit_code == 143, result.output
+    assert "stopped by SIGTERM while the run was set up, before its first step: no checkpoint" in (
+        result.output
+    )

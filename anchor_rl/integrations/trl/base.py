@@ -76,6 +76,7 @@ from anchor_rl.integrations.trl.data import (
 )
 from anchor_rl.methods.pvpo import AnchorSet, anchor_seed, presample_set
 from anchor_rl.methods.pvpo_config import PVPOConfig
+from anchor_rl.models.lora import inert_lora_base, lora_base, merged_copy
 from anchor_rl.models.tokenizer import encode_prompt
 from anchor_rl.paths import store_path
 from anchor_rl.rollout.spec import frozen
@@ -95,10 +96,38 @@ TEACHER_KEY = "anchor_rl_teacher_rows"
 
 def fresh_copy(model: PreTrainedModel) -> PreTrainedModel:
     """A frozen copy of ``model``'s weights in a new instance of its class (not a deepcopy:
-    TRL patches the policy's ``forward`` with a closure over the original model)."""
+    TRL patches the policy's ``forward`` with a closure over the original model). A PEFT
+    model (``peft_config=``) gives a plain copy with its adapters merged
+    (:func:`~anchor_rl.models.lora.merged_copy`)."""
+    if hasattr(model, "peft_config"):
+        return _without_patched_forward(merged_copy(_peft_base(model)))
     clone = type(model)(model.config).to(dtype=model.dtype)
     clone.load_state_dict(model.state_dict())
     return frozen(clone.to(model.device))
+
+
+def initial_peft_policy(model: PreTrainedModel) -> PreTrainedModel:
+    """A PEFT policy as it is now, frozen: its base model with the adapters taken out,
+    sharing the policy's base tensors (:func:`~anchor_rl.models.lora.lora_base`, no copy of
+    the weights) while the adapters add nothing (a fresh LoRA: every B zero), else a merged
+    copy (:func:`fresh_copy`). The PEFT layers keep the base tensors frozen, so the first
+    stays the initial policy as the adapters train."""
+    if inert_lora_base(model) is None:
+        return fresh_copy(model)
+    return _without_patched_forward(lora_base(_peft_base(model)))
+
+
+def _peft_base(model: PreTrainedModel) -> PreTrainedModel:
+    """The model a PEFT wrapper holds (the adapters injected in it); ``model`` itself else."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _without_patched_forward(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` (a module-tree copy of the policy's) without the ``forward`` TRL set on the
+    instance (its fused LM head, a closure over the policy: the copy would run the policy),
+    frozen."""
+    vars(model).pop("forward", None)
+    return frozen(model)
 
 
 @dataclass
@@ -288,7 +317,7 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         (when it does not move), else the initial policy: itself when only presampling at
         start uses it, a frozen copy of it made now when ``kept_for = (what, fix)`` names a
         use after training has moved the policy (first-use presampling, reference refreshes;
-        ConfigError naming ``what`` and ``fix`` for a PEFT model, which cannot be copied so)."""
+        for a PEFT model :func:`initial_peft_policy`: a fresh adapter's base model, no copy)."""
         if self._explicit_reference is not None:
             return self._explicit_reference
         if self.ref_model is not None and not self.args.sync_ref_model:
@@ -297,8 +326,7 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         if kept_for is None:
             return policy
         if hasattr(policy, "peft_config"):
-            what, fix = kept_for
-            raise ConfigError(f"{what} with a PEFT model and no fixed reference: {fix}")
+            return initial_peft_policy(policy)
         return fresh_copy(policy)
 
     def _presample_start(
@@ -449,21 +477,13 @@ class AnchoredGRPOTrainer(GRPOTrainer):
         for row, traj in teacher_rows.items():
             behaviour[row, : len(traj)] = traj.logprobs.to(behaviour)
             rows[row] = True
-        old = output.get("old_per_token_logps")
-        if old is not None:
-            output["old_per_token_logps"] = torch.where(rows[:, None], behaviour.to(old), old)
-        else:
+        if output.get("old_per_token_logps") is None:
             output[BEHAVIOUR_KEY], output[TEACHER_KEY] = behaviour, rows
-        sampled = output.get("sampling_per_token_logps")
-        if sampled is not None:
-            output["sampling_per_token_logps"] = torch.where(
-                rows[:, None], behaviour.to(sampled), sampled
-            )
-        ratio = output.get("importance_sampling_ratio")
-        if ratio is not None:
-            output["importance_sampling_ratio"] = torch.where(
-                rows[:, None], torch.ones_like(ratio), ratio
-            )
+        for key in ("old_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio"):
+            if (kept := output.get(key)) is not None:
+                ones = key == "importance_sampling_ratio"  # vLLM's correction: 1 on teacher rows
+                teacher = torch.ones_like(kept) if ones else behaviour.to(kept)
+                output[key] = torch.where(rows[:, None], teacher, kept)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
         """TRL's loss; a batch with teacher rows and no old log-probs gets them from the first

@@ -12,7 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-import datasets
 import torch
 from rich.console import Console
 from torch import Tensor
@@ -27,7 +26,8 @@ from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.anchors.teachers import teacher_key
 from anchor_rl.errors import ConfigError
 from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer, fresh_copy
-from anchor_rl.integrations.trl.checks import non_default, section
+from anchor_rl.integrations.trl.checks import section
+from anchor_rl.methods.knobs import in_host_terms
 from anchor_rl.methods.pvpo import (
     FILTER_FILE,
     anchor_seed,
@@ -38,11 +38,17 @@ from anchor_rl.methods.pvpo import (
 from anchor_rl.methods.pvpo_config import PVPOConfig
 from anchor_rl.rollout.engine import close_engine, make_engine
 from anchor_rl.rollout.spec import frozen, load_spec
-from anchor_rl.tasks.base import Record, Task
 
 __all__ = ["PVPOGRPOTrainer"]
 
 _log = logging.getLogger(__name__)
+
+TRL_NAMES = {
+    "filter.kind=group": "group_sampling=True",
+    "rollout.n": "num_generations",
+    "rollout.top_p": "top_p",
+}
+"""The run settings :meth:`PVPOConfig.errors` names -> the plug-in's names of them."""
 
 
 class PVPOGRPOTrainer(AnchoredGRPOTrainer):
@@ -101,44 +107,20 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
 
     def __init__(
         self,
-        model: str | PreTrainedModel,
-        reward_funcs: Any = None,
-        args: Any = None,
-        train_dataset: datasets.Dataset | None = None,
-        eval_dataset: Any = None,
-        processing_class: PreTrainedTokenizerBase | None = None,
-        *,
-        task: Task | str,
+        *args: Any,
         pvpo: PVPOConfig | Mapping[str, Any] | None = None,
         group_sampling: bool = True,
         presample: Literal["first_use", "start"] = "first_use",
-        task_args: Mapping[str, Any] | None = None,
-        records: Sequence[Record] | None = None,
-        reference_model: PreTrainedModel | None = None,
-        progress: bool = True,
         **kwargs: Any,
     ) -> None:
         pc = section(PVPOConfig, pvpo, "pvpo")
         _check_pvpo(pc, group_sampling, presample)
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, task=task,
-            task_args=task_args, records=records, reference_model=reference_model,
-            progress=progress, **kwargs,
-        )  # fmt: skip
-        if pc.teacher == "oracle:reference" and self.args.top_p < 1:
-            raise ConfigError(
-                "pvpo.teacher='oracle:reference' with top_p < 1: its pi_gt has no nucleus; use "
-                "pvpo.teacher='oracle' or top_p=1"
-            )
+        super().__init__(*args, **kwargs)
+        errors = pc.errors(group=group_sampling, n=self.num_generations, top_p=self.args.top_p)
+        if errors := in_host_terms(errors, TRL_NAMES):
+            raise ConfigError(errors)
         self.pvpo, self.group_sampling = pc, group_sampling
         at_start = group_sampling or presample == "start"
-        policy = self.accelerator.unwrap_model(self.model)
-        if pc.refresh_every and pc.refresh_mode == "policy" and hasattr(policy, "peft_config"):
-            raise ConfigError(
-                "pvpo.refresh_mode='policy' with a PEFT model: a refresh samples a frozen copy of "
-                "the policy's weights, which the plug-in cannot make of a PEFT model; use "
-                "refresh_mode='reference'"
-            )
         kept_for = None
         if not at_start:
             kept_for = ("presample='first_use'", "pass reference_model=, or presample='start'")
@@ -160,7 +142,7 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         self.filter_result: FilterResult | None = None
         if group_sampling:
             self._group_sampling(reference)
-        if progress:
+        if self.progress:
             kept = len(dict.fromkeys(self.dataset_ids))
             Console().print(
                 f"PVPO (TRL): {len(self.anchors)} prompts x M={pc.m} presampled "
@@ -373,11 +355,7 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
             return
         last, key = saved["last_refresh"], self.anchor_set.key
         if last is not None:
-            last = {
-                "step": int(last["step"]),
-                "mode": last["mode"],
-                "fingerprint": last["fingerprint"],
-            }
+            last = {**last, "step": int(last["step"])}  # {"step", "mode", "fingerprint"}
             key = refresh_key(key, last["mode"], last["step"], last["fingerprint"])
         store = self.anchor_set.store
         if key.digest != saved["anchor_key"]:
@@ -398,6 +376,8 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
 
 
 def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
+    if refused := pc.native_only("the TRL plug-in"):
+        raise ConfigError(refused)
     if presample not in ("first_use", "start"):
         raise ConfigError(f"presample={presample!r}: choose 'first_use' or 'start'")
     if pc.prompts not in ("auto", "all"):
@@ -405,11 +385,6 @@ def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
             f"pvpo.prompts={pc.prompts}: the TRL plug-in presamples every prompt of "
             "train_dataset (or each on its first use), it does not walk a subset; pass a "
             "train_dataset (or records=) of the prompts to train on and drop pvpo.prompts"
-        )
-    if not pc.refresh_every and non_default(pc, ["refresh_mode"]):
-        raise ConfigError(
-            "pvpo.refresh_mode has no effect: pvpo.refresh_every=0 never refreshes; drop it or "
-            "set pvpo.refresh_every=K"
         )
     first_use = presample == "first_use" and not group_sampling
     if pc.refresh_every and pc.refresh_mode == "policy" and first_use:
@@ -420,10 +395,4 @@ def _check_pvpo(pc: PVPOConfig, group_sampling: bool, presample: str) -> None:
             "on (and after a resume); use presample='start' (every prompt is then refreshed at "
             "each refresh) or refresh_mode='reference' (a prompt first used after a refresh is "
             "presampled from the reference under that refresh's key)"
-        )
-    teacher = non_default(pc, ["teacher", "teacher_model", "teacher_tries", "keep_unsolved"])
-    if teacher and not group_sampling:
-        raise ConfigError(
-            f"pvpo.{', pvpo.'.join(teacher)} without group sampling: teachers serve group "
-            "sampling; set group_sampling=True or drop them"
         )
