@@ -43,7 +43,8 @@ from anchor_rl.anchors.presample import (
     presample_key,
     task_params,
 )
-from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.records import AnchorStat, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.anchors.teachers import (
     Teacher,
     teacher_batch,

@@ -16,7 +16,8 @@ from anchor_rl.anchors.keys import (
     fingerprint_tokenizer,
     sampling_settings,
 )
-from anchor_rl.anchors.store import AnchorStat, AnchorStore, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.records import AnchorStat, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.store import AnchorStore
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.loading import load_policy, save_policy
 from anchor_rl.rollout.types import SamplingParams

@@ -22,7 +22,7 @@ from anchor_rl.anchors.filter import FilterResult
 from anchor_rl.anchors.keys import AnchorKey, fingerprint_model
 from anchor_rl.anchors.presample import RolloutSampler, refresh_key
 from anchor_rl.anchors.presample import presample as presample_prompts
-from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.records import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.anchors.teachers import teacher_key
 from anchor_rl.errors import ConfigError
 from anchor_rl.integrations.trl.base import AnchoredGRPOTrainer, fresh_copy

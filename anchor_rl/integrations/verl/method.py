@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from anchor_rl.algos.registry import compute_advantage as anchor_advantage
-from anchor_rl.anchors.store import AnchorStat, TeacherTrajectory, anchor_values
+from anchor_rl.anchors.records import AnchorStat, TeacherTrajectory, anchor_values
 from anchor_rl.integrations.verl import ESTIMATORS
 from anchor_rl.integrations.verl.config import MethodConfig, select
 from anchor_rl.integrations.verl.data import batch_row_keys
