@@ -346,7 +346,10 @@ def _store_verdict(
 
 def train_command(args: argparse.Namespace, run_dir: Path, store: Path) -> list[str]:
     """The `anchor-rl train` command line of the soak run."""
-    cmd = [sys.executable, "-m", "anchor_rl.cli", "train", "--preset", "pvpo", "-o", str(run_dir),
+    # pvpo_paper: the soak refreshes (pvpo.refresh_every), which the pvpo preset's lazy
+    # presampling refuses
+    cmd = [sys.executable, "-m", "anchor_rl.cli", "train", "--preset", "pvpo_paper", "-o",
+           str(run_dir),
            f"model={args.model}", f"steps={args.steps}", f"seed={args.seed}",
            "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
            "pvpo.m=4", f"pvpo.prompts={args.prompts}", f"pvpo.refresh_every={args.refresh_every}",

@@ -56,10 +56,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "ppo": ("ppo", []),
     "ppo-shared": ("ppo", ["critic.mode=shared"]),
     "vapo": ("vapo", ["critic.pretrain_steps=2"]),
-    "pvpo": ("pvpo", ["pvpo.m=1"]),  # acc 0 or 1 per prompt: teacher rows every step
-    "pvpo-static": ("pvpo", ["filter.kind=none"]),
-    "pvpo-refresh-reference": ("pvpo", ["pvpo.m=2", "pvpo.refresh_every=1"]),
-    "pvpo-refresh-policy": ("pvpo", ["pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
+    # the paper's setting (the `pvpo` preset before its single-run options), under the
+    # variant names the fingerprints of that preset were recorded with
+    "pvpo": ("pvpo_paper", ["pvpo.m=1"]),  # acc 0 or 1 per prompt: teacher rows every step
+    "pvpo-static": ("pvpo_paper", ["filter.kind=none"]),
+    "pvpo-refresh-reference": ("pvpo_paper", ["pvpo.m=2", "pvpo.refresh_every=1"]),
+    "pvpo-refresh-policy": ("pvpo_paper", ["pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
+    # the `pvpo` preset: lazy, reused first groups, sequential presampling, pooled anchors
+    "pvpo-single-run": ("pvpo", ["rollout.n=2"]),  # the preset's N (COMMON sets 4)
     "v05": ("v05", []),
     "v05-knn": ("v05", ["v05.prior=knn+history"]),
     "v05-probe": (
@@ -102,7 +106,8 @@ def fingerprint(names: list[str]) -> dict[str, dict]:
         preset, extra = VARIANTS[name]
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["ANCHOR_RL_CACHE"] = str(Path(tmp) / "cache")
-            anchors = preset == "pvpo" or (preset == "v05" and "knn" not in " ".join(extra))
+            knn = "knn" in " ".join(extra)
+            anchors = preset.startswith("pvpo") or (preset == "v05" and not knn)
             store = [f"pvpo.store={tmp}/anchors.db"] if anchors else []
             cfg = load_config(preset, [*COMMON, *store, *extra])
             run = train(start_run(cfg, Path(tmp) / "run"))

@@ -117,6 +117,11 @@ class PVPOConfig(Section):
     def _none_is_a_correction(cls, value: object) -> object:
         return "none" if value is None else value  # `pvpo.X=none` parses as None
 
+    @field_validator("m_min", mode="before")
+    @classmethod
+    def _none_is_unset(cls, value: object) -> object:
+        return None if value == "none" else value  # TOML has no null: `m_min = "none"`
+
     @field_validator("prompts")
     @classmethod
     def _positive_prompts(cls, value: int | str) -> int | str:
@@ -177,15 +182,20 @@ class PVPOConfig(Section):
             why = "pvpo.refresh_every=0 never refreshes"
             errors.append(no_effect("pvpo", ["refresh_mode"], why))
         if self.presample == "lazy" and self.refresh_every:
+            upfront = "pvpo.presample=upfront" + (
+                " pvpo.reuse_presample=false" if self.reuse_presample else ""
+            )
             errors.append(
                 "pvpo.presample=lazy with pvpo.refresh_every: a refresh re-estimates the anchors "
                 "of the prompts drawn so far, and those drawn later would have none under the "
-                "refresh key (not built); use pvpo.presample=upfront or pvpo.refresh_every=0"
+                "refresh key (not built); use --preset pvpo_paper (the paper's setting), or "
+                f"{upfront}, or pvpo.refresh_every=0"
             )
         if self.reuse_presample and self.presample != "lazy":
             errors.append(
                 "pvpo.reuse_presample needs pvpo.presample=lazy (the presampled rollouts are "
-                "kept as each prompt is first drawn)"
+                "kept as each prompt is first drawn); set pvpo.reuse_presample=false too, or "
+                "use --preset pvpo_paper (upfront, no reuse)"
             )
         if self.reuse_presample and not (n <= self.m and self.m >= 2):
             errors.append(
@@ -194,13 +204,17 @@ class PVPOConfig(Section):
                 "M - 1: it needs rollout.n <= pvpo.m and pvpo.m >= 2"
             )
         if self.m_min is not None and self.m_min > self.m:
-            errors.append(f"pvpo.m_min={self.m_min} is above pvpo.m={self.m}")
+            errors.append(
+                f"pvpo.m_min={self.m_min} is above pvpo.m={self.m}; set pvpo.m_min <= pvpo.m, "
+                "or pvpo.m_min=none (M at once)"
+            )
         if self.m_min is None and (names := changed(self, ("round_size", "se_max"))):
             errors.append(no_effect("pvpo", names, "pvpo.m_min is not set (M at once)"))
         if self.reuse_presample and self.m_min is not None and self.m_min < n:
             errors.append(
                 f"pvpo.reuse_presample takes rollout.n={n} presampled rollouts per prompt: "
-                f"pvpo.m_min={self.m_min} must be at least that"
+                f"pvpo.m_min={self.m_min} must be at least that (set pvpo.m_min={n}, or "
+                "pvpo.reuse_presample=false)"
             )
         if not self.reuse_presample and (names := changed(self, REUSE_KNOBS)):
             errors.append(no_effect("pvpo", names, "pvpo.reuse_presample is off"))

@@ -21,7 +21,7 @@ TINY = [
 
 def test_settings_layer_preset_quickstart_task_then_overrides() -> None:
     cfg = quickstart_config("arithmetic")
-    assert (cfg.preset, cfg.advantage.estimator, cfg.filter.kind) == ("pvpo", "pvpo", "group")
+    assert (cfg.preset, cfg.advantage.estimator, cfg.filter.kind) == ("pvpo_paper", "pvpo", "group")
     assert (cfg.model, cfg.steps, cfg.rollout.n, cfg.pvpo.m) == ("sft:tiny", 60, 4, 8)
     mh = quickstart_config("multihop", steps=7, time_limit=30, overrides=["pvpo.m=3"])
     assert mh.task_args == {"reward": "pvpo"}  # the paper's reward manager on QA

@@ -45,9 +45,9 @@ tensorboard = false
 [per_preset.grpo.rollout]
 n = 4
 
-[per_preset.pvpo]
+[per_preset.pvpo]   # pvpo_paper's presampling, as the built-in suite sweep pins it
 rollout = { n = 2 }
-pvpo = { m = 2 }
+pvpo = { m = 2, presample = "upfront", reuse_presample = false, m_min = "none", anchor_update = "none" }
 
 [variants.lr1]
 optim = { lr = 1e-5 }
@@ -77,7 +77,7 @@ def test_shared_anchors_gives_every_seed_one_draw_from_one_store(tmp_path) -> No
     pvpo = [s.config.pvpo for s in own if s.label.startswith("pvpo")]
     assert {p.presample_seed for p in pvpo} == {0, 1, 2} and {p.store for p in pvpo} == {None}
     # a store or seed the suite sets is kept, and applies to every run
-    kept = text.replace("pvpo = { m = 2 }", 'pvpo = { m = 2, presample_seed = 5, store = "a.db" }')
+    kept = text.replace("m = 2,", 'm = 2, presample_seed = 5, store = "a.db",')
     pvpo = [s.config.pvpo for s in plan(_suite(tmp_path, kept, "kept.toml"), tmp_path)]
     assert {(p.presample_seed, p.store) for p in pvpo if p.store} == {(5, "a.db")}
 

@@ -25,8 +25,8 @@ BATCH = 4  # prompts per sampling call: the store commits after each
 
 def main(db: str, prompts: int, m: int, engine: str) -> None:
     torch.set_num_threads(1)
-    cfg = load_config("pvpo", ["rollout.max_new_tokens=16", f"pvpo.m={m}",
-                               f"pvpo.presample_batch={BATCH}"])  # fmt: skip
+    cfg = load_config("pvpo_paper", ["rollout.max_new_tokens=16", f"pvpo.m={m}",
+                                     f"pvpo.presample_batch={BATCH}"])  # fmt: skip
     task = get_task("arithmetic")
     tokenizer = build_tokenizer()
     model = build_model("tiny", tokenizer, seed=0).eval()

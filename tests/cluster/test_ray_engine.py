@@ -91,13 +91,13 @@ def test_a_seeded_grpo_run_is_the_same_on_two_ray_workers(
 def test_pvpo_presampling_on_two_workers_stores_the_single_process_rows(
     ray_local, parity, tiny, tmp_path, one_thread
 ) -> None:
-    overrides = [*tiny, "pvpo.m=2"]
+    overrides = [*tiny, "pvpo.m=2"]  # the paper's presampling: the walk before step 1
     local = start_run(
-        load_config("pvpo", [*overrides, f"pvpo.store={tmp_path}/hf.db"]), tmp_path / "hf"
+        load_config("pvpo_paper", [*overrides, f"pvpo.store={tmp_path}/hf.db"]), tmp_path / "hf"
     )
     # the policy's engine and presampling's engine (on the reference): 2 workers each
     half = [*RAY, "rollout.engine_args.num_cpus_per_worker=0.5"]
-    remote_cfg = load_config("pvpo", [*overrides, *half, f"pvpo.store={tmp_path}/ray.db"])
+    remote_cfg = load_config("pvpo_paper", [*overrides, *half, f"pvpo.store={tmp_path}/ray.db"])
     remote = start_run(remote_cfg, tmp_path / "ray")
     presampler = remote.components["pvpo"].set.sampler.engine
     try:

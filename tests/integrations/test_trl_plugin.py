@@ -633,10 +633,18 @@ def test_settings_that_cannot_work_are_refused_naming_the_field(
             model, args=args, pvpo=pvpo | {"refresh_every": 2, "refresh_mode": "policy"},
             group_sampling=False, **common,
         )  # fmt: skip
-    with pytest.raises(ConfigError, match=r"pvpo\.teacher_model.*without group sampling"):
+    with pytest.raises(ConfigError, match=r"pvpo\.teacher_model.*set group_sampling=True"):
         PVPOGRPOTrainer(
             model, args=args, pvpo=pvpo | {"teacher_model": "x"}, group_sampling=False, **common
         )
+    # PVPOConfig's own rules, in the plug-in's names (rollout.top_p is GRPOConfig's top_p)
+    with pytest.raises(ConfigError, match=r"pvpo\.teacher_model has no effect: it names"):
+        PVPOGRPOTrainer(model, args=args, pvpo=pvpo | {"teacher_model": "x"}, **common)
+    with pytest.raises(ConfigError, match=r"with top_p < 1 .* or top_p=1$"):
+        PVPOGRPOTrainer(
+            model, args=grpo_args(tmp_path, top_p=0.9),
+            pvpo=pvpo | {"teacher": "oracle:reference"}, **common,
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="top_k=50.*set top_k=0"):
         PVPOGRPOTrainer(model, args=grpo_args(tmp_path, top_k=50), pvpo=pvpo, **common)
     with pytest.raises(ConfigError, match="remove_unused_columns=False"):

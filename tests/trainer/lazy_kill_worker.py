@@ -37,7 +37,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     LazyWalk._take = take_then_die
-    train(run_module.start_run(load_config("pvpo", overrides), run_dir))
+    train(run_module.start_run(load_config("pvpo_paper", overrides), run_dir))
 
 
 if __name__ == "__main__":

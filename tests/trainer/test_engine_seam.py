@@ -24,7 +24,7 @@ from anchor_rl.trainer.run import start_run
     [
         ("grpo", []),
         ("v05", ["pvpo.m=2"]),  # top-ups go through the engine too
-        ("pvpo", ["pvpo.m=2", "pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
+        ("pvpo_paper", ["pvpo.m=2", "pvpo.refresh_every=1", "pvpo.refresh_mode=policy"]),
     ],
 )
 def test_the_same_seeded_run_through_another_engine(

@@ -114,8 +114,9 @@ def test_pvpo_anchors_of_a_fresh_adapter_are_the_base_models(
 
     monkeypatch.setattr(RolloutSampler, "__call__", recording)
     extra = [*tiny, "pvpo.m=2", f"pvpo.store={tmp_path / 'anchors.db'}"]
-    plain = start_run(load_config("pvpo", extra), tmp_path / "plain").components["pvpo"]
+    paper = "pvpo_paper"  # the paper's presampling: the walk is sampled by start_run
+    plain = start_run(load_config(paper, extra), tmp_path / "plain").components["pvpo"]
     assert drawn
     drawn.clear()
-    lora = start_run(load_config("pvpo", [*extra, "lora.rank=4"]), tmp_path / "lora")
+    lora = start_run(load_config(paper, [*extra, "lora.rank=4"]), tmp_path / "lora")
     assert drawn == [] and lora.components["pvpo"].anchor_key == plain.anchor_key

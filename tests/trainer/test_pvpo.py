@@ -31,6 +31,10 @@ from anchor_rl.trainer.run import resume_run, start_run
 from anchor_rl.trainer.update import behaviour_logprobs, score_logprobs
 
 IDS = [f"train-{i}" for i in range(8)]
+PAPER = "pvpo_paper"
+"""The preset of the tests of the paper's mechanisms (the whole walk presampled before the
+first step, refreshes, the static anchor); the `pvpo` preset's single-run options are
+tested in test_pvpo_lazy.py and test_pvpo_preset.py."""
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +138,7 @@ def _overrides(tiny, tmp_path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_teacher_row_old_logp_in_the_update_is_the_teachers(parity, tiny, tmp_path, monkeypatch):
     cfg = load_config(
-        "pvpo", _overrides(tiny, tmp_path, "pvpo.teacher=none", "pvpo.keep_unsolved=true")
+        PAPER, _overrides(tiny, tmp_path, "pvpo.teacher=none", "pvpo.keep_unsolved=true")
     )
     run = start_run(cfg, tmp_path / "run")
     pvpo = run.components["pvpo"]
@@ -191,7 +195,7 @@ def test_group_sampling_sets_the_training_prompts(
     filter_kind, teacher, training, with_teacher, parity, tiny, tmp_path
 ) -> None:
     cfg = load_config(
-        "pvpo", _overrides(tiny, tmp_path, f"filter.kind={filter_kind}", f"pvpo.teacher={teacher}")
+        PAPER, _overrides(tiny, tmp_path, f"filter.kind={filter_kind}", f"pvpo.teacher={teacher}")
     )
     _seed_store(cfg, parity, tmp_path / "anchors.db", CORRECT)
     run = start_run(cfg, tmp_path / "run")
@@ -219,7 +223,7 @@ def test_group_sampling_sets_the_training_prompts(
 @pytest.mark.parametrize("mode", ["reference", "policy"])
 def test_refresh_counts_its_rollouts_and_replaces_the_anchors(mode, parity, tiny, tmp_path):
     extra = ("pvpo.teacher=none", "pvpo.keep_unsolved=true", "pvpo.refresh_every=1", "steps=2")
-    cfg = load_config("pvpo", _overrides(tiny, tmp_path, *extra, f"pvpo.refresh_mode={mode}"))
+    cfg = load_config(PAPER, _overrides(tiny, tmp_path, *extra, f"pvpo.refresh_mode={mode}"))
     run = start_run(cfg, tmp_path / "run")
     pvpo = run.components["pvpo"]
     presampled = dict(pvpo.anchors)
@@ -256,7 +260,7 @@ def test_resume_keeps_the_counters_and_does_not_presample_again(
 
     def config(name: str, steps: int):
         return load_config(
-            "pvpo",
+            PAPER,
             [*tiny, "pvpo.m=2", f"pvpo.store={tmp_path / name}.db", *extra, f"steps={steps}"],
         )
 
@@ -286,9 +290,9 @@ def test_anchors_topped_up_by_a_larger_m_are_announced(parity, tiny, tmp_path, c
     """The store holds sufficient statistics, so a run with pvpo.m = 2 after one with 3 on
     the same store uses all three rollouts of each prompt: it says so."""
     extra = ("pvpo.teacher=none", "pvpo.keep_unsolved=true")
-    start_run(load_config("pvpo", _overrides(tiny, tmp_path, *extra, "pvpo.m=3")), tmp_path / "a")
+    start_run(load_config(PAPER, _overrides(tiny, tmp_path, *extra, "pvpo.m=3")), tmp_path / "a")
     assert "rest on more than" not in caplog.text
-    run = start_run(load_config("pvpo", _overrides(tiny, tmp_path, *extra)), tmp_path / "b")
+    run = start_run(load_config(PAPER, _overrides(tiny, tmp_path, *extra)), tmp_path / "b")
     pvpo = run.components["pvpo"]
     assert {stat.n for stat in pvpo.anchors.values()} == {3}
     n = len(pvpo.records)
@@ -315,7 +319,7 @@ def test_every_seed_shares_one_anchor_draw_unless_presample_seed_is_set(
     def set_up(name: str, *extra: str):
         seeds.clear()
         overrides = [*tiny, f"model={reference}", "pvpo.m=2", f"pvpo.store={store}", *extra]
-        cfg = load_config("pvpo", overrides)
+        cfg = load_config(PAPER, overrides)
         return start_run(cfg, tmp_path / name).components["pvpo"], list(seeds)
 
     zero, drawn_zero = set_up("zero", "seed=0")
@@ -356,7 +360,7 @@ def test_the_walk_presamples_only_the_prompts_the_run_draws(
 ) -> None:
     calls = _count_sampled(monkeypatch)
     # 1 step x 2 prompts: the walk stops once group sampling would keep 2 prompts
-    cfg = load_config("pvpo", _overrides(tiny, tmp_path, "steps=1", "pvpo.presample_batch=1"))
+    cfg = load_config(PAPER, _overrides(tiny, tmp_path, "steps=1", "pvpo.presample_batch=1"))
     run = start_run(cfg, tmp_path / "run")
     pvpo = run.components["pvpo"]
     walked = [r.id for r in pvpo.set.records]
@@ -382,10 +386,10 @@ def test_pvpo_config_errors_name_the_field() -> None:
 
 
 @pytest.mark.slow
-def test_pvpo_preset_trains_one_step_on_arithmetic_from_the_cli(tmp_path) -> None:
+def test_pvpo_paper_preset_trains_one_step_on_arithmetic_from_the_cli(tmp_path) -> None:
     out = tmp_path / "cli"
     args = [
-        "train", "--preset", "pvpo", "model=random:tiny", "train_prompts=4", "steps=1",
+        "train", "--preset", "pvpo_paper", "model=random:tiny", "train_prompts=4", "steps=1",
         "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8",
         "eval.prompts=2", "eval.every=1", "pvpo.m=3", "log.progress=false", "--out", str(out),
     ]  # fmt: skip
@@ -406,7 +410,7 @@ def test_pvpo_preset_trains_one_step_on_arithmetic_from_the_cli(tmp_path) -> Non
 @pytest.mark.slow
 def test_a_local_hf_teacher_supplies_verified_trajectories(parity, tiny, tmp_path) -> None:
     extra = ("pvpo.teacher=hf:random:tiny", "pvpo.teacher_tries=4")
-    cfg = load_config("pvpo", _overrides(tiny, tmp_path, *extra))
+    cfg = load_config(PAPER, _overrides(tiny, tmp_path, *extra))
     _seed_store(cfg, parity, tmp_path / "anchors.db", CORRECT)
     run = start_run(cfg, tmp_path / "run")
     trajectories = run.components["pvpo"].trajectories

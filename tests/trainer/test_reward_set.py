@@ -69,11 +69,12 @@ def test_a_run_trains_on_its_reward_functions(parity, tiny, tmp_path) -> None:
 def test_anchors_presampled_under_another_reward_are_not_reused(parity, tiny, tmp_path) -> None:
     store = f"pvpo.store={tmp_path / 'anchors.db'}"
     base = [*tiny, "steps=1", "eval.every=0", "pvpo.m=2", store, "filter.kind=none"]
-    plain = start_run(load_config("pvpo", base), tmp_path / "plain")
+    paper = "pvpo_paper"  # the paper's presampling: the walk is sampled by start_run
+    plain = start_run(load_config(paper, base), tmp_path / "plain")
     shaped = start_run(
-        load_config("pvpo", [*base, 'reward.functions=["reward_fns:quarter"]']), tmp_path / "shaped"
+        load_config(paper, [*base, 'reward.functions=["reward_fns:quarter"]']), tmp_path / "shaped"
     )
-    again = start_run(load_config("pvpo", base), tmp_path / "again")
+    again = start_run(load_config(paper, base), tmp_path / "again")
 
     def sampled(run):
         return json.loads((run.run_dir / "pvpo.json").read_text())["presample"]

@@ -24,7 +24,7 @@ from anchor_rl.trainer.loop import RUN_LOG, train
 from anchor_rl.trainer.run import resume_run, start_run
 
 FAST = {  # the run's scale cut further where a preset adds work before the first step
-    "pvpo": ["pvpo.m=2"],
+    "pvpo": ["pvpo.m=4"],  # M >= N = 4: the preset's reuse takes its first group from M
     "vapo": ["critic.pretrain_steps=2"],
 }
 
@@ -54,11 +54,16 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(
     preset, parity, tmp_path, monkeypatch
 ) -> None:
     overrides = [*TINY, *FAST.get(preset, []), "optim.lr=1e-2", "checkpoint.every=0", "steps=4"]
-    straight = train(start_run(load_config(preset, overrides), tmp_path / "straight"))
+
+    def config(name: str):  # each run its own anchor store: pvpo/anchors_sampled counts draws
+        store = [f"pvpo.store={tmp_path / name}.db"] if preset == "pvpo" else []
+        return load_config(preset, [*overrides, *store])
+
+    straight = train(start_run(config("straight"), tmp_path / "straight"))
     before = signal.getsignal(signal.SIGTERM)  # another test's Ray may have set its own
     signal_during_step(monkeypatch, 3, signal.SIGTERM)
     with pytest.raises(Interrupted) as stopped:
-        train(start_run(load_config(preset, overrides), tmp_path / "stopped"))
+        train(start_run(config("stopped"), tmp_path / "stopped"))
     run_dir = tmp_path / "stopped"
     assert stopped.value.exit_code == 143 and stopped.value.signal_name == "SIGTERM"
     message = str(stopped.value)

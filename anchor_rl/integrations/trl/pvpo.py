@@ -70,7 +70,7 @@ class PVPOGRPOTrainer(AnchoredGRPOTrainer):
         first enters a generation batch (keeping a frozen copy of the initial policy when TRL
         has no fixed reference model), ``start`` presamples every prompt before training.
 
-    Refresh (``pvpo.refresh_every = K > 0``), as in ``anchor-rl train --preset pvpo``: the
+    Refresh (``pvpo.refresh_every = K > 0``), as in ``anchor-rl train --preset pvpo_paper``: the
     anchors of the training prompts are re-estimated by ``anchors.presample.refresh_anchors``
     once K, 2K, ... optimizer steps (``state.global_step``) have passed, at the start of the
     next generation batch (never within one), and serve every advantage from then on. The
