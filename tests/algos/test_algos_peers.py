@@ -41,7 +41,9 @@ def test_binary_optimal_value_equals_the_draws_formula() -> None:
 
 def test_astarpo_estimator_and_loss_against_a_hand_computation() -> None:
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    logp = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, -0.5, -1.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    logp = torch.tensor(
+        [[-1.0, -2.0, 9.0], [-0.5, -0.5, -1.0], [0.0, 0.0, 0.0]], requires_grad=True
+    )
     old = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, -1.0, -1.0], [0.0, 0.0, 0.0]])
     ref = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
     rewards = torch.tensor([1.0, 0.0, 1.0])
