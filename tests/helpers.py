@@ -1,12 +1,14 @@
 """Helpers shared by the test packages (importable from every one of them: tests/ is on the
 path because of tests/conftest.py): a toy task a random-init model earns reward on, the
-tiny-run overrides, seeded engine requests, and a run's metrics without its timings."""
+tiny-run overrides, seeded engine requests, a run's metrics without its timings, and a count of the
+reference sampler's calls."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+from anchor_rl.anchors.presample import RolloutSampler
 from anchor_rl.rollout.engine import Request, group_requests
 from anchor_rl.tasks.base import Record, Task
 
@@ -125,3 +127,16 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def count_sampled(monkeypatch) -> list[list[str]]:
+    """From now on, the prompt ids of each reference-sampler call, appended to the list."""
+    calls: list[list[str]] = []
+    real_call = RolloutSampler.__call__
+
+    def counting(self, records, n, first, seed):
+        calls.append([r.id for r in records])
+        return real_call(self, records, n, first, seed)
+
+    monkeypatch.setattr(RolloutSampler, "__call__", counting)
+    return calls

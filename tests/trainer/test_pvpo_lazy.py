@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import count_sampled
 
 from anchor_rl.anchors.keys import AnchorKey
-from anchor_rl.anchors.presample import RolloutSampler
 from anchor_rl.anchors.store import AnchorStat, AnchorStore
 from anchor_rl.methods.pvpo import (
     PooledAnchors,
@@ -43,19 +43,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ANCHOR_RL_CACHE", str(tmp_path / "cache"))
 
 
-def _count_sampled(monkeypatch) -> list[list[str]]:
-    """From now on, the prompt ids of each reference-sampler call, appended to the list."""
-    calls: list[list[str]] = []
-    real_call = RolloutSampler.__call__
-
-    def counting(self, records, n, first, seed):
-        calls.append([r.id for r in records])
-        return real_call(self, records, n, first, seed)
-
-    monkeypatch.setattr(RolloutSampler, "__call__", counting)
-    return calls
-
-
 def lazy_overrides(tiny: list[str], store: Path, *extra: str) -> list[str]:
     """A lazy PVPO run of the parity task: M = 2, the oracle teacher (accuracy-0 prompts
     kept), 2 prompts a step."""
@@ -78,7 +65,7 @@ def _rows(path: Path, key: str) -> dict[str, int]:
 
 
 def test_a_lazy_run_presamples_only_the_prompts_it_draws(parity, tiny, tmp_path, monkeypatch):
-    calls = _count_sampled(monkeypatch)
+    calls = count_sampled(monkeypatch)
     cfg = load_config(PAPER, lazy_overrides(tiny, tmp_path / "a.db", "steps=2"))
     run = start_run(cfg, tmp_path / "run")
     assert calls == []  # nothing before the first step
@@ -132,7 +119,7 @@ def test_a_resumed_lazy_run_equals_an_unstopped_one(extra, parity, tiny, tmp_pat
 
     straight = train(start_run(config("a.db", 3), tmp_path / "straight"))
     half = train(start_run(config("b.db", 1), tmp_path / "half"))
-    calls = _count_sampled(monkeypatch)
+    calls = count_sampled(monkeypatch)
     resumed = resume_run(half.run_dir, {"steps": 3})
     assert calls == []  # the walk to the cursor re-reads the store
     train(resumed)

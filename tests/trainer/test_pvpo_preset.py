@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import count_sampled
 from typer.testing import CliRunner
 
-from anchor_rl.anchors.presample import RolloutSampler
 from anchor_rl.cli import app
 from anchor_rl.trainer.config import ConfigError, load_config
 from anchor_rl.trainer.logging import read_metrics
@@ -80,23 +80,8 @@ def test_pvpo_preset_trains_one_step_on_arithmetic_from_the_cli(tmp_path) -> Non
     assert step["rollouts/cumulative"] == 0
     assert step["rollouts/total"] == 2 * 4
     assert step["pvpo/reused_rows"] > 0 and step["pvpo/teacher_rows"] == 2
-    assert (
-        json.loads((out / "config.json").read_text())["pvpo"] | CHEAP
-        == json.loads((out / "config.json").read_text())["pvpo"]
-    )
-
-
-def _count_sampled(monkeypatch) -> list[list[str]]:
-    """From now on, the prompt ids of each reference-sampler call, appended to the list."""
-    calls: list[list[str]] = []
-    real_call = RolloutSampler.__call__
-
-    def counting(self, records, n, first, seed):
-        calls.append([r.id for r in records])
-        return real_call(self, records, n, first, seed)
-
-    monkeypatch.setattr(RolloutSampler, "__call__", counting)
-    return calls
+    stored = json.loads((out / "config.json").read_text())["pvpo"]
+    assert stored | CHEAP == stored
 
 
 @pytest.mark.slow
@@ -107,7 +92,7 @@ def test_the_pvpo_preset_reads_a_store_the_old_preset_filled(parity, tiny, tmp_p
     common = [*tiny, f"pvpo.store={tmp_path / 'anchors.db'}", "steps=2", "eval.every=0"]
     old = start_run(load_config("pvpo_paper", common), tmp_path / "old").components["pvpo"]
     assert {s.n for s in old.anchors.values()} == {8}
-    calls = _count_sampled(monkeypatch)
+    calls = count_sampled(monkeypatch)
     run = train(start_run(load_config("pvpo", common), tmp_path / "new"))
     assert calls == []  # every drawn prompt's row was there, with n = 8 >= pvpo.m
     pvpo = run.components["pvpo"]
