@@ -10,7 +10,7 @@ of them importing another.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -88,6 +88,16 @@ class RolloutBatch:
             truncated=self.truncated[idx],
             pad_id=self.pad_id,
         )
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The batch with every tensor field on ``device`` (dtypes kept; a tensor already there
+        is the same tensor), the lists and ``pad_id`` as they are."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
     @property
     def response_width(self) -> int:

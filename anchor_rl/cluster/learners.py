@@ -10,7 +10,9 @@ through a ``DistributedDataParallel`` replica, whose backward sums the gradients
 ranks, so the ranks take identical steps and rank 0's weights are what one process would
 have computed, up to float summation order. With a critic (PPO, VAPO) every rank also holds
 a critic replica and runs its share of the value update the same way (``critic_update``;
-``fit_values`` with ``dp``). Checkpoints are rank 0's (a consolidated state), so a run
+``fit_values`` with ``dp``). A LoRA run's ranks inject the same adapters as rank 0 (its
+``lora`` section, a ``lora.config_file`` as rank 0 read it) and load rank 0's tensors; DDP
+then holds and sums the gradients of the adapters alone. Checkpoints are rank 0's (a consolidated state), so a run
 resumes on any number of learners. A rank that dies ends the run with a clear error naming
 it, its exit code and its error (also while the ranks start: :func:`_await_joining`,
 ``RENDEZVOUS``); its last checkpoint resumes it. A divergence (``NonFiniteError``) is raised
@@ -36,6 +38,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,6 +57,7 @@ from anchor_rl.errors import AnchorRLError, NonFiniteError
 from anchor_rl.models import checkpointing
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout
+from anchor_rl.models.lora import apply_lora, lora_context, trainable_parameters
 from anchor_rl.models.value_pretrain import fit_values
 from anchor_rl.trainer.config import TrainConfig, build_config
 from anchor_rl.trainer.update import make_optimizer, ppo_update
@@ -95,6 +99,7 @@ class LearnerGroup:
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
         table = cfg.model_dump(mode="json")
+        lora_file = cfg.lora.file_config  # as rank 0 read it (a resumed run's stored copy)
         joining = [context.Event() for _ in range(1, world)]  # set as each rank joins
         self._errors = context.SimpleQueue()  # (rank, its error) from a rank that raised
         self._reported: dict[int, str] = {}
@@ -102,7 +107,7 @@ class LearnerGroup:
             context.Process(
                 target=_learner_main,
                 args=(rank, world, address, table, policy.config, threads, joining[rank - 1],
-                      self._errors),
+                      self._errors, lora_file),
                 daemon=True,
                 name=f"anchor-rl-learner-{rank}",
             )
@@ -364,13 +369,15 @@ def _learner_main(
     threads: int,
     joining: Any,
     errors: Any,
+    lora_file: dict[str, Any] | None = None,
 ) -> None:
     """A learner rank: a replica of the policy and its optimiser, updated with rank 0
     (``joining``: an event set once the rank has set itself up, just before it joins the
     process group; ``errors``: a queue that gets ``(rank, error)`` when the rank raises, for
-    rank 0's message, before the rank exits with its traceback printed)."""
+    rank 0's message, before the rank exits with its traceback printed; ``lora_file``: the
+    PEFT config of rank 0's ``lora.config_file``, None without one)."""
     try:
-        _learner(rank, world, address, table, model_config, threads, joining)
+        _learner(rank, world, address, table, lora_file, model_config, threads, joining)
     except Exception as exc:
         error = " ".join(f"{type(exc).__name__}: {exc}".split())  # on one line
         errors.put((rank, error[:ERROR_CHARS]))
@@ -382,21 +389,25 @@ def _learner(
     world: int,
     address: str,
     table: dict[str, Any],
+    lora_file: dict[str, Any] | None,
     model_config: Any,
     threads: int,
     joining: Any,
 ) -> None:
     """The rank's work (:func:`_learner_main`). What it can do alone comes before it signals
     rank 0 (the config and its plugins, the model), so that an error there ends the start at
-    once (:func:`_await_joining`)."""
+    once (:func:`_await_joining`). A LoRA run's rank injects the same adapters as rank 0 (its
+    PEFT config, ``lora_file`` included) and loads rank 0's tensors into them."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     keep_freed_memory()
-    cfg = build_config(table)  # imports the run's plugins too
+    with tempfile.TemporaryDirectory() as scratch:  # imports the run's plugins too
+        cfg = build_config(table, lora_context(lora_file, scratch))
     where = placement(cfg.device, rank, world, local_rank=rank)  # spawned on this machine
     _use_device(where.device)
     model = AutoModelForCausalLM.from_config(model_config).to(where.device)
+    model = apply_lora(model, cfg.lora, cfg.seed)  # rank 0's tensors are loaded below
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.optim.activation_checkpointing:
@@ -424,7 +435,7 @@ def _learner(
         if value_model is not None:
             critic = _sharded_critic(cfg, value_model, state)
     else:
-        optimizer, scheduler = make_optimizer(cfg, model.parameters())
+        optimizer, scheduler = make_optimizer(cfg, trainable_parameters(model))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if value_model is not None:

@@ -22,7 +22,10 @@ and reads the hidden state cast to float32.
 Modes.
 
 * ``separate`` (default, what PPO and VAPO use): the critic owns a full copy of the
-  backbone; ``critic.parameters()`` are that copy plus the head.
+  backbone; ``critic.parameters()`` are that copy plus the head. In a LoRA run the
+  backbone is instead the LoRA policy's base model's body with adapters of its own
+  (:func:`anchor_rl.models.lora.lora_backbone`): its base tensors are the policy's frozen
+  ones, and only the adapters and the head require gradients (and are saved).
 * ``shared``: the critic reads the policy's own backbone module (no copy; it sees every
   policy update). ``critic.parameters()`` are the head only. The backbone runs under
   ``torch.no_grad()`` for the critic, so the value loss never reaches the policy's
@@ -49,6 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
+from anchor_rl.models.lora import is_lora, load_adapter, lora_base, save_adapter
 from anchor_rl.models.scoring import (
     pack_prompt_response,
     packed_inputs,
@@ -70,6 +74,7 @@ MODES: tuple[str, ...] = get_args(CriticMode)
 CONFIG_FILE = "critic.json"
 HEAD_FILE = "value_head.safetensors"
 BACKBONE_DIR = "backbone"
+ADAPTER_DIR = "backbone_adapter"
 FORMAT_VERSION = 1
 
 
@@ -245,13 +250,17 @@ class Critic(nn.Module):
             for k, v in self.head.state_dict().items()
         }
         save_file(head, str(path / HEAD_FILE))
-        if self.mode == "separate":
+        lora = self.mode == "separate" and is_lora(self.backbone)
+        if lora:  # the adapters only: the base tensors are the LoRA policy's base model's
+            save_adapter(self.backbone, None, path / ADAPTER_DIR)
+        elif self.mode == "separate":
             self.backbone.save_pretrained(path / BACKBONE_DIR)
         config = {
             "format": FORMAT_VERSION,
             "mode": self.mode,
             "base_path": self.base_path,
             "hidden_size": self.head.in_features,
+            **({"lora": True} if lora else {}),
         }
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
@@ -269,7 +278,8 @@ class Critic(nn.Module):
         A ``shared`` critic needs ``policy`` (the live causal LM whose body it reads; it must
         have the saved hidden size) and lives on the policy's device. A ``separate`` critic
         ignores ``policy``, loads its own backbone and is moved to ``device`` / ``dtype``
-        (None keeps the saved dtype, CPU).
+        (None keeps the saved dtype, CPU); one saved as adapters (a LoRA run's) needs the
+        LoRA ``policy``, whose base tensors it shares, and lives on its device.
         """
         path = Path(path)
         config_path = path / CONFIG_FILE
@@ -287,6 +297,14 @@ class Critic(nn.Module):
                     f"policy hidden size {policy.config.hidden_size} != saved critic's {config['hidden_size']}"
                 )
             critic = cls(policy.base_model, "shared", config["base_path"])
+        elif config.get("lora"):  # adapters on the LoRA policy's base model's body
+            if policy is None or not is_lora(policy):
+                raise ValueError(
+                    f"the critic at {path} is adapters on a LoRA policy's base model; pass the "
+                    "LoRA policy as policy="
+                )
+            backbone = load_adapter(lora_base(policy).train().base_model, path / ADAPTER_DIR)
+            critic = cls(backbone, "separate", config["base_path"])
         else:
             backbone = AutoModel.from_pretrained(path / BACKBONE_DIR, dtype=dtype)
             backbone.to(device=device)

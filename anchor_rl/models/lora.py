@@ -18,6 +18,8 @@ What the rest of the project gets from here:
 * :func:`save_adapter` / :func:`load_adapter`: a PEFT-format adapter directory
   (``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer): what a LoRA run's
   checkpoints hold, and what ``anchor-rl eval --adapter`` / ``serve --adapter`` read.
+* :func:`lora_backbone`: a critic's backbone in a LoRA run: the base model's body, sharing the
+  policy's base tensors, with adapters of its own.
 * :func:`inert_lora_base`: the rule that a LoRA whose adapters add nothing (a fresh one)
   samples as its base model, shared by the anchor store's fingerprints.
 """
@@ -117,9 +119,11 @@ def store_file_config(lc: LoRAConfig, run_dir: str | Path) -> Path | None:
     """Write the PEFT config of ``lc.config_file`` (as read when the config was validated)
     to ``RUN_DIR/lora_config.json``, the copy a resume reads; None without a file."""
     data = lc.file_config
-    if data is None:
-        return None
-    path = Path(run_dir) / STORED_CONFIG
+    return None if data is None else _write_config(data, run_dir)
+
+
+def _write_config(data: dict[str, Any], directory: str | Path) -> Path:
+    path = Path(directory) / STORED_CONFIG
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     return path
 
@@ -146,6 +150,13 @@ def check_same_file_config(given: str, stored: Path) -> None:
             f"(kept in {stored}; {shown}): a resumed run trains the adapters it started with. "
             "Drop lora.config_file to resume, or start a new run with --out"
         )
+
+
+def lora_context(data: dict[str, Any] | None, directory: str | Path) -> dict[str, str] | None:
+    """The validation context (``build_config(table, context)``) that makes a config's
+    ``lora.config_file`` read ``data`` (a PEFT config as another process read it, written to
+    ``directory``) instead of the file; None when ``data`` is None."""
+    return None if data is None else {STORED_LORA_CONTEXT: str(_write_config(data, directory))}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -183,15 +194,12 @@ def lora_errors(cfg: Any) -> list[str]:
             f"lora.dropout={lc.dropout} has no effect: disable_dropout=true switches every "
             "dropout off; set disable_dropout=false, or drop lora.dropout"
         )
-    if "critic" in cfg.methods:
+    if cfg.cluster.learners > 1 and cfg.cluster.learner_sharding == "fsdp":
         errors.append(
-            "lora with a critic (advantage.estimator=gae: PPO, VAPO) is not built: the critic "
-            "would copy the policy's adapters; use full fine-tuning (lora.rank=0)"
-        )
-    if cfg.cluster.learners > 1:
-        errors.append(
-            "lora with cluster.learners > 1 is not built (the learner ranks copy full weights); "
-            "use cluster.learners=1"
+            "lora with cluster.learner_sharding=fsdp is not built (the shards' gathers and "
+            "optimiser state assume every parameter trains); use "
+            "cluster.learner_sharding=replicate: each rank holds the frozen base once and "
+            "trains the adapters"
         )
     return errors
 
@@ -300,6 +308,16 @@ def lora_base(model: PreTrainedModel) -> PreTrainedModel:
     return base.eval()
 
 
+def lora_backbone(model: PreTrainedModel, lc: LoRAConfig, seed: int) -> PreTrainedModel:
+    """The body (``base_model``, e.g. ``LlamaModel``) of a LoRA policy's base model with fresh
+    adapters of its own (the ``lora`` section's, A drawn from ``seed``, B zero) and only those
+    requiring gradients: a critic's backbone in a LoRA run. Its base tensors *are* the
+    policy's frozen ones (:func:`lora_base`: no copy of the weights); the policy's adapters
+    are not in it."""
+    backbone = lora_base(model).train().base_model
+    return apply_lora(backbone, lc, seed)
+
+
 def merge_adapter(model: PreTrainedModel) -> PreTrainedModel:
     """``model`` with its adapters merged into its weights in place and taken out: a plain
     model that samples as the LoRA policy did (what ``eval`` and ``serve`` run with
@@ -400,10 +418,11 @@ def sampling_state(model: PreTrainedModel) -> Mapping[str, torch.Tensor]:
 
 
 def save_adapter(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | Path
 ) -> Path:
-    """Write a LoRA policy's adapter as a PEFT adapter directory (``adapter_config.json``,
-    ``adapter_model.safetensors``: the adapters' tensors only) with the tokenizer."""
+    """Write a LoRA model's adapter as a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``: the adapters' tensors only) with the tokenizer (a critic's
+    backbone has none: None)."""
     from safetensors.torch import save_file
 
     peft = require_peft()
@@ -412,7 +431,8 @@ def save_adapter(
     state = peft.get_peft_model_state_dict(model, adapter_name="default")
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, path / ADAPTER_WEIGHTS)
     model.peft_config["default"].save_pretrained(str(path))
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 

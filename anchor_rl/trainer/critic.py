@@ -46,6 +46,7 @@ from anchor_rl.methods.vapo import critic_metrics, critic_targets, policy_lambda
 from anchor_rl.models import checkpointing
 from anchor_rl.models.critic import Critic
 from anchor_rl.models.loading import disable_dropout, quiet_transformers
+from anchor_rl.models.lora import is_lora, lora_backbone
 from anchor_rl.models.value_pretrain import fit_values, pretrain_value_cached
 from anchor_rl.paths import cache_root
 from anchor_rl.rollout.engine import Engine
@@ -86,7 +87,13 @@ sampling seeds)."""
 
 def new_critic(cfg: TrainConfig, policy: PreTrainedModel) -> Critic:
     """A fresh critic (zero head) on the body of ``policy``: a copy (``separate``) or the
-    live backbone (``shared``). Built before any update, so the body is the initial policy's."""
+    live backbone (``shared``). Built before any update, so the body is the initial policy's.
+    A LoRA run's ``separate`` critic is the base model's body, sharing the policy's frozen
+    base tensors, with adapters of its own (the ``lora`` section's, A drawn from
+    ``seed + 1``); its ``shared`` critic reads the LoRA policy's body, adapters applied."""
+    if cfg.lora.enabled and cfg.critic.mode == "separate":
+        backbone = lora_backbone(policy, cfg.lora, cfg.seed + 1)
+        return configured(Critic(backbone, "separate", policy.name_or_path or None), cfg)
     return configured(Critic.from_causal_lm(policy, cfg.critic.mode), cfg)
 
 
@@ -107,11 +114,29 @@ def configured(critic: Critic, cfg: TrainConfig) -> Critic:
 
 
 def critic_optimizer(cfg: TrainConfig, critic: Critic) -> torch.optim.Optimizer:
-    """AdamW over the critic's parameters at ``critic.lr`` (betas and weight decay of ``optim``)."""
+    """AdamW over the critic's parameters that require gradients (every one, or a LoRA
+    critic's adapters and head) at ``critic.lr`` (betas and weight decay of ``optim``)."""
     oc = cfg.optim
-    return adamw(
-        critic.parameters(), lr=cfg.critic.lr, betas=oc.betas, weight_decay=oc.weight_decay
-    )
+    trainable = [p for p in critic.parameters() if p.requires_grad]
+    return adamw(trainable, lr=cfg.critic.lr, betas=oc.betas, weight_decay=oc.weight_decay)
+
+
+def critic_state(critic: Critic) -> dict[str, Tensor]:
+    """What a checkpoint keeps of ``critic``: its ``state_dict``, or of a LoRA critic (one
+    whose base tensors are the policy's) the adapters' and the head's tensors only."""
+    state = critic.state_dict()
+    if critic.mode == "separate" and is_lora(critic.backbone):
+        return {k: v for k, v in state.items() if ".lora_" in k or k.startswith("head.")}
+    return state
+
+
+def load_critic_state(critic: Critic, state: dict[str, Tensor]) -> None:
+    """Load :func:`critic_state` into ``critic``; RuntimeError naming the tensors that differ."""
+    expected = critic_state(critic).keys()
+    if state.keys() != expected:
+        differ = sorted(set(state) ^ set(expected))
+        raise RuntimeError(f"the checkpoint's critic differs from this run's in {differ[:5]}")
+    critic.load_state_dict(state, strict=False)
 
 
 def pretrain_critic(
@@ -171,7 +196,8 @@ def pretrain_critic(
 def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
     """What value pretraining's result depends on besides its own settings: the reference
     weights (a digest), the critic mode, the task, the sampling and reward settings, the
-    seed, whether dropout is off and whether truncated responses are fitted."""
+    seed, whether dropout is off, whether truncated responses are fitted, and a LoRA run's
+    ``lora`` section (its critic's adapters)."""
     return {
         "format": PRETRAIN_FORMAT,
         "policy_sha256": weights_digest(policy),
@@ -183,6 +209,7 @@ def pretrain_key(cfg: TrainConfig, policy: PreTrainedModel) -> dict[str, Any]:
         "seed": cfg.seed,
         "disable_dropout": cfg.disable_dropout,
         "mask_truncated": cfg.loss.mask_truncated,
+        **({"lora": cfg.lora.model_dump(mode="json")} if cfg.lora.enabled else {}),
     }
 
 
@@ -310,13 +337,13 @@ class PPOCritic(Component):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "critic": self.critic.state_dict(),
+            "critic": critic_state(self.critic),
             "optimizer": self.optimizer.state_dict(),
             "value_pretrain_rollouts": self.value_pretrain_rollouts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.critic.load_state_dict(state["critic"])
+        load_critic_state(self.critic, state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.value_pretrain_rollouts = int(state["value_pretrain_rollouts"])
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from helpers import metrics_but_timings
-from lora_helpers import lora_policy, sampled_gaps, update_adapters
 
 from anchor_rl.cluster.engine import RayEngine
 from anchor_rl.models.factory import build_model
 from anchor_rl.models.lora import sampling_state
 from anchor_rl.rollout.engine import make_engine
+from anchor_rl.rollout.lora_check import lora_policy, sampled_gaps, update_adapters
 from anchor_rl.trainer.config import load_config
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import start_run

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from lora_helpers import lora_policy, sampled_gaps, update_adapters
 
 from anchor_rl.anchors.keys import fingerprint_model
 from anchor_rl.errors import AnchorRLError, ConfigError
@@ -26,6 +25,7 @@ from anchor_rl.models.lora import (
     trainable_parameters,
 )
 from anchor_rl.rollout.engine import make_engine
+from anchor_rl.rollout.lora_check import lora_policy, sampled_gaps, update_adapters
 from anchor_rl.trainer.config import load_config
 
 IDS = torch.tensor([[5, 17, 30, 44, 9, 60, 71, 3], [8, 8, 21, 90, 33, 2, 14, 50]])
@@ -55,8 +55,9 @@ def test_the_section_is_validated_with_messages_naming_the_fix(tmp_path) -> None
         ("lora.alpha=32",): "has no effect with lora.rank=0",
         ("lora.rank=-1",): "lora.rank",
         ("lora.rank=8", "lora.dropout=0.1"): "disable_dropout=true switches every dropout off",
-        ("lora.rank=8", "advantage.estimator=gae"): "lora with a critic",
-        ("lora.rank=8", "cluster.learners=2"): "lora with cluster.learners > 1",
+        ("lora.rank=8", "cluster.learners=2", "cluster.learner_sharding=fsdp"): (
+            "lora with cluster.learner_sharding=fsdp"
+        ),
         ("lora.config_file=nowhere.json",): "cannot read a PEFT config",
     }
     for overrides, message in cases.items():

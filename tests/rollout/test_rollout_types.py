@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -75,6 +77,21 @@ def test_cat_repads_to_longest_with_pad_id_and_zero_masks():
     assert c.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert c.logprobs.tolist() == [[-0.5, -0.5, 0, 0], [-0.5, 0, 0, -0.5]]
     assert c.group.tolist() == [0, 1] and c.texts == ["t0", "t0"]
+
+
+def test_to_moves_every_tensor_field_and_keeps_the_rest():
+    rb = batch([[1, 2], [3]], [[1, 0], [1]], [0, 1])
+    moved = rb.to("meta")  # a device every tensor must reach
+    tensors = [f.name for f in fields(rb) if isinstance(getattr(rb, f.name), torch.Tensor)]
+    assert len(tensors) == 7
+    for name in tensors:
+        before, after = getattr(rb, name), getattr(moved, name)
+        assert after.device.type == "meta" and after.dtype == before.dtype, name
+        assert after.shape == before.shape and before.device.type == "cpu", name
+    assert moved.prompt_ids == rb.prompt_ids and moved.texts == rb.texts
+    assert moved.pad_id == PAD
+    same = rb.to("cpu")  # already there: the same tensors, no copy
+    assert all(getattr(same, n) is getattr(rb, n) for n in tensors)
 
 
 def test_shape_mismatch_is_rejected():

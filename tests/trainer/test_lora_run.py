@@ -5,6 +5,8 @@ resume is exact; PVPO's anchors of a fresh adapter are the base model's; eval --
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +122,44 @@ def test_pvpo_anchors_of_a_fresh_adapter_are_the_base_models(
     drawn.clear()
     lora = start_run(load_config(paper, [*extra, "lora.rank=4"]), tmp_path / "lora")
     assert drawn == [] and lora.components["pvpo"].anchor_key == plain.anchor_key
+
+
+@pytest.mark.slow
+def test_a_vapo_lora_run_trains_a_critic_of_adapters_and_resumes_exactly(
+    parity, tiny, tmp_path
+) -> None:
+    """The critic of a LoRA run: adapters of its own on the base model's body (whose tensors
+    are the policy's), value-pretrained (the second run reads the cache: a saved LoRA critic),
+    checkpointed as its adapters and head only, resumed bit-identically."""
+    overrides = [*tiny, *LORA, "critic.pretrain_steps=2"]
+    straight = train(start_run(load_config("vapo", [*overrides, "steps=4"]), tmp_path / "a"))
+    half = train(start_run(load_config("vapo", [*overrides, "steps=2"]), tmp_path / "b"))
+    resumed = train(resume_run(half.run_dir, {"steps": 4}))
+    metrics = metrics_but_timings(straight.run_dir)
+    assert metrics == metrics_but_timings(resumed.run_dir)  # bit-identical
+    (cached,) = Path(os.environ["ANCHOR_RL_CACHE"]).glob("critic/**/critic.json")
+    assert (cached.parent / "backbone_adapter" / "adapter_model.safetensors").is_file()
+    assert not (cached.parent / "backbone").exists()  # the adapters only, no weights
+    assert all(r["critic/grad_norm"] > 0 for r in metrics[1:])
+    assert metrics[-1]["grad_norm"] > 0
+    critic = straight.components["critic"].critic
+    assert is_lora(critic.backbone) and not is_lora(straight.ref)
+    ptrs = {p.data_ptr() for p in straight.policy.parameters()}
+    frozen = [p for p in critic.backbone.parameters() if not p.requires_grad]
+    assert frozen and all(p.data_ptr() in ptrs for p in frozen)  # no copy of the weights
+    trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or n.startswith("head.") for n in trained)
+    saved = torch.load(list_checkpoints(straight.run_dir)[-1] / "critic.pt", weights_only=True)
+    assert set(saved["critic"]) == trained  # the adapters and the head, no base weights
+    assert len(saved["optimizer"]["state"]) == len(trained)
+    # the adapters moved (B left zero), so the critic is no longer its base's body
+    assert any(bool(v.any()) for k, v in saved["critic"].items() if "lora_B" in k)
+
+
+def test_a_lora_run_with_a_shared_critic_probes_the_policys_body(parity, tiny, tmp_path) -> None:
+    overrides = [*tiny, *LORA, "critic.mode=shared", "steps=2"]
+    run = train(start_run(load_config("ppo", overrides), tmp_path / "shared"))
+    critic = run.components["critic"].critic
+    assert critic.backbone is run.policy.base_model  # the LoRA policy's body, adapters in it
+    assert [n for n, _ in critic.named_parameters()] == ["head.weight", "head.bias"]
+    assert metrics_but_timings(run.run_dir)[-1]["critic/grad_norm"] > 0
