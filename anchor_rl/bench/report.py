@@ -163,8 +163,8 @@ def _accuracy_section(results: Results, out: Path) -> list[Block]:
                     "p",
                     "Over held-out prompts: mean [95% percentile interval of a two-level "
                     "bootstrap, runs (seeds) resampled within each method, then prompts; 10,000 "
-                    "resamples]. The last column resamples prompts only (per prompt the mean "
-                    "over seeds), blind to the spread between runs.",
+                    "resamples]. The prompt-only columns resample prompts only (per prompt the "
+                    "mean over seeds), blind to the spread between runs.",
                 )
             )
             blocks.append(("table", paired_rows))
@@ -220,12 +220,13 @@ def _paired_table(
                 str(gain["prompts"]),
                 format_bootstrap(comparisons["accuracy"][label], signed=False),
                 format_bootstrap(gain),
+                format_bootstrap(gain.get("prompt_only")),
                 format_bootstrap(vs),
                 format_bootstrap(None if vs is None else vs["prompt_only"]),
             ]
         )
     header = ["run", "runs", "prompts", "held-out (final)", "gain over the reference",
-              f"vs `{baseline}` (final)", "vs baseline, prompt-only"]  # fmt: skip
+              "gain, prompt-only", f"vs `{baseline}` (final)", "vs baseline, prompt-only"]  # fmt: skip
     return header, rows
 
 

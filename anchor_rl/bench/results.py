@@ -61,7 +61,7 @@ def load_results(paths: Sequence[Path]) -> Results:
             for found in sorted(path.rglob(name)):
                 files.setdefault(found.resolve(), found)
     results = Results()
-    suite_roots: dict[str, Path] = {}
+    suite_roots = _suite_roots(files.values())
     trained: list[Path] = []  # runs of `anchor-rl train`, reported when no suite holds them
     suite_dirs: set[Path] = set()
     for file in files.values():
@@ -73,7 +73,7 @@ def load_results(paths: Sequence[Path]) -> Results:
                 continue  # else another file of that name (baseline-mse's combined summary)
             # the same suite run twice (other seeds, steps or overrides) stays two suites
             suite = payload["suite"]
-            if suite_roots.setdefault(suite, file.parent) != file.parent:
+            if suite_roots[suite] != file.parent:
                 suite = f"{suite} ({file.parent.name})"
             results.methods += _suite_methods(file.parent, {**payload, "suite": suite})
             if budget := payload.get("budget"):
@@ -102,6 +102,20 @@ def load_results(paths: Sequence[Path]) -> Results:
             results.sources.append(run_dir / "summary.json")
     _name_methods(results.methods)
     return results
+
+
+def _suite_roots(files: Any) -> dict[str, Path]:
+    """Suite name -> the directory whose results keep that name where several suite summaries
+    (``summary.json`` with ``groups``) hold the same suite: the one named after the suite, else the first found (the others are named
+    ``suite (directory)``), so adding a result elsewhere renames no suite."""
+    roots: dict[str, list[Path]] = {}
+    for file in files:
+        if file.name != "summary.json":
+            continue
+        payload = json.loads(file.read_text())
+        if "groups" in payload and isinstance(payload.get("suite"), str):
+            roots.setdefault(payload["suite"], []).append(file.parent)
+    return {s: next((d for d in dirs if d.name == s), dirs[0]) for s, dirs in roots.items()}
 
 
 def _run_method(run_dir: Path) -> Method:

@@ -148,16 +148,47 @@ def report_command(
             help="Also write the report between the generated-block markers of this markdown file.",
         ),
     ] = None,
+    readme: Annotated[
+        Path | None,
+        typer.Option(
+            "--readme",
+            help="Rewrite this file's <!-- results:start/end --> block: the budget suite's "
+            "short equal-budget table.",
+        ),
+    ] = None,
+    results_page: Annotated[
+        Path | None,
+        typer.Option(
+            "--results-page",
+            help="Rewrite this file's <!-- equal-budget-table:start/end --> block: the budget "
+            "suite's full equal-budget tables.",
+        ),
+    ] = None,
+    budget_suite: Annotated[
+        str, typer.Option("--budget-suite", help="The suite --readme and --results-page read.")
+    ] = "pvpo_budget",
+    budget_baseline: Annotated[
+        str,
+        typer.Option("--budget-baseline", help="The label --results-page's differences subtract."),
+    ] = "grpo+n2",
 ) -> None:
     """Build one report (markdown + offline HTML) from training runs and bench results."""
     command = " ".join(
         ["anchor-rl report", *map(str, runs), f"--out {out}"]
         + ([f"--results-md {results_md}"] if results_md else [])
     )
+    from anchor_rl.bench import headline
     from anchor_rl.bench.report import write_report
+    from anchor_rl.bench.results import load_results
 
     try:
+        headline.check_blocks(readme, results_page)  # before the report's minutes of work
         paths = write_report(runs, out, results_md, command)
+        if readme or results_page:
+            written = headline.write_blocks(
+                load_results(runs), readme, results_page, budget_suite, budget_baseline
+            )
+            paths |= {str(p): p for p in written}
     except (FileNotFoundError, ValueError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

@@ -267,6 +267,18 @@ def test_the_same_suite_in_two_directories_stays_two_suites(bench, tmp_path) -> 
     assert len(measure_claim(by[("final_gain", "dapo", "grpo")], results)) == 2
 
 
+def test_the_suite_in_a_directory_of_its_name_keeps_the_name(bench) -> None:
+    import shutil
+
+    # "a_control" sorts before "synthetic": found first, it still takes the qualified name
+    shutil.copytree(bench / "synthetic", bench / "a_control")
+    # a summary.json of that suite without groups (baseline-mse's combined one) names nothing
+    (bench / "0" / "synthetic").mkdir(parents=True)
+    (bench / "0" / "synthetic" / "summary.json").write_text(json.dumps({"suite": "synthetic"}))
+    suites = {m.suite for m in load_results([bench]).methods}
+    assert suites == {"synthetic", "synthetic (a_control)"}
+
+
 @pytest.mark.slow
 def test_the_report_pairs_runs_over_held_out_prompts(tmp_path) -> None:
     from anchor_rl.bench.report import _paired_table
@@ -290,10 +302,13 @@ def test_the_report_pairs_runs_over_held_out_prompts(tmp_path) -> None:
     write_summary(root, "pairs", runs, summarise(runs))
     header, rows = _paired_table(load_results([root]).methods)
     assert header[-2:] == ["vs `a` (final)", "vs baseline, prompt-only"]
-    assert rows[0] == ["a", "2", "2", "1.000 [1.000, 1.000]", "+1.000 [+1.000, +1.000]", "–", "–"]
+    one = "+1.000 [+1.000, +1.000]"
+    assert rows[0] == ["a", "2", "2", "1.000 [1.000, 1.000]", one, one, "–", "–"]
     assert rows[1][:4] == ["b", "2", "2", "0.500 [0.000, 1.000]"]
-    assert rows[1][4].startswith("+0.500 [") and rows[1][5].startswith("-0.500 [")
-    assert rows[1][6].startswith("-0.500 [")
+    assert rows[1][4].startswith("+0.500 [") and rows[1][5].startswith("+0.500 [")
+    assert rows[1][6].startswith("-0.500 [") and rows[1][7].startswith("-0.500 [")
+    # per prompt the mean over seeds is 1 and 0: the prompt-only gain's interval is [0, 1]
+    assert rows[1][5] == "+0.500 [+0.000, +1.000]"
 
 
 def test_a_training_run_directory_gets_its_own_report(tmp_path) -> None:
