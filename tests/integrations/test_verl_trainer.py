@@ -196,6 +196,34 @@ def test_the_method_group_switches_the_registered_trainer(
 
 
 @pytest.mark.parametrize(
+    ("method", "device", "strategy"),
+    [("v05", "cpu", "fsdp2"), ("vapo", "cuda", "fsdp"), ("pvpo", "cuda", "fsdp2")],
+)
+def test_the_whole_loops_launch_settings_compose(method, device, strategy, tmp_path) -> None:
+    """The Hydra overrides of a depth-3 launch (verl_main_ppo.py; the GPU script's too) compose
+    with the example config: the strategy reaches the actor, the reference and VAPO's
+    critic, a logical GPU is declared on the CPU only, and V0.5 keeps its KL loss with the
+    reference's micro-batch set. The CPU refuses FSDP1."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import verl_main_ppo as loop
+
+    settings = loop.overrides(tmp_path, method, 2, device, strategy)
+    assert settings[0] == f"anchor_rl_method={method}"
+    cfg = compose_config(method, *settings[1:])
+    actor_rollout_ref = cfg.actor_rollout_ref
+    assert actor_rollout_ref.actor.strategy == strategy == actor_rollout_ref.ref.strategy
+    if method == "vapo":
+        assert cfg.critic.strategy == strategy == cfg.critic.fsdp.strategy
+    assert ("num_gpus" in cfg.ray_kwargs.ray_init) == (device == "cpu")
+    assert actor_rollout_ref.actor.use_kl_loss == (method == "v05")
+    assert actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == loop.BATCH
+    with pytest.raises(ValueError, match="FSDP2 only"):
+        loop.overrides(tmp_path, method, 2, "cpu", "fsdp")
+
+
+@pytest.mark.parametrize(
     "change",
     [
         "actor_rollout_ref.rollout.do_sample=false",

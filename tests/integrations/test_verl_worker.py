@@ -112,12 +112,64 @@ def test_cpu_mode_is_off_unless_asked(monkeypatch):
     import verl.utils.model as model_utils
 
     assert not hasattr(model_utils.load_valuehead_model, "__wrapped__")
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
+
+    assert not hasattr(fsdp_engine.CPUOffloadPolicy, "__wrapped__")
     for model_type in ("language_model", "value_model"):
         assert "cpu" not in EngineRegistry._engines[model_type]["fsdp2"]
     device = PlatformRegistry.get("cpu")().device_module
     assert device.max_memory_allocated() == 0 and device.mem_get_info()[1] > 0
     monkeypatch.setenv("VERL_PLATFORM", " CPU ")
     assert cpu.requested()
+
+
+SHARD = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    __ENGINE__
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=__PORT__)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = model(x)
+    # the reference's policy, as verl's FSDP2 engine builds it for a forward-only model
+    policy = fsdp_engine.CPUOffloadPolicy(pin_memory=True)
+    mesh = init_device_mesh("cpu", (1,))
+    try:
+        for layer in model:
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        with torch.no_grad():
+            out = model(x)
+    except RuntimeError as e:
+        print("SHARD-ERROR", e)
+    else:
+        print("SHARDED", policy.pin_memory, torch.allclose(out, expected))
+""")
+
+
+@pytest.mark.parametrize("mode", ["cpu", "none"])
+def test_reference_offload_runs_on_the_cpu(mode):
+    """verl shards the reference model (forward-only) with a pinned-memory CPU offload, which
+    needs an accelerator: without the CPU mode it fails on this machine, with it the policy is
+    unpinned and the sharded model computes what the plain one does."""
+    # verl's engine module in the CPU mode; else torch's policy, which verl's engine uses
+    # unchanged outside the CPU mode (test_cpu_mode_is_off_unless_asked)
+    engine = (
+        "import verl.workers.engine.fsdp.transformer_impl as fsdp_engine"
+        if mode == "cpu"
+        else "import torch.distributed.fsdp as fsdp_engine"
+    )
+    env = {"VERL_PLATFORM": "cpu"} if mode == "cpu" else {}
+    code = SHARD.replace("__ENGINE__", engine).replace("__PORT__", repr(str(slice_._free_port())))
+    done = run(code, **env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if mode == "cpu":
+        assert "SHARDED False True" in done.stdout, done.stdout[-2000:]
+    else:
+        assert "SHARD-ERROR" in done.stdout and "accelerator" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")

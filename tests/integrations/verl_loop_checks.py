@@ -18,6 +18,7 @@ rows and top-ups.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -130,6 +131,9 @@ def test_pvpo_through_main_ppo(pvpo: Runs) -> None:
     advantages; resumed at step 3 with the same anchors and nothing presampled again."""
     check_resumed(pvpo)
     check_presampled(pvpo)
+    # one optimizer step per step (one mini-batch): the resumed actor is the saved one
+    check_resumed_engine(pvpo.folder / "global_step_2" / "actor",
+                         pvpo.folder / "global_step_3" / "actor")  # fmt: skip
     training = pvpo.scored(2)[len(loop.PROMPTS) * loop.M :] + pvpo.scored(3)
     assert len(training) == 3 * loop.BATCH * N  # nothing presampled again at the resume
     # group sampling dropped the prompts the reference always solved
@@ -163,9 +167,10 @@ def test_pvpo_resume_refuses_a_changed_anchor_key(pvpo: Runs) -> None:
 
 
 def test_v05_through_main_ppo(v05: Runs) -> None:
-    """V0.5: the anchor prior presampled, the fused baseline, top-ups through verl's agent
-    loop and reward (every rollout the metrics count was scored by verl's reward worker),
-    the history prior continuing at step 3 from the checkpoint's state."""
+    """V0.5: the anchor prior presampled, the fused baseline, the KL loss to verl's reference
+    worker, top-ups through verl's agent loop and reward (every rollout the metrics count was
+    scored by verl's reward worker), the history prior continuing at step 3 from the
+    checkpoint's state."""
     check_resumed(v05)
     check_presampled(v05)
     training = v05.scored(2)[len(loop.PROMPTS) * loop.M :] + v05.scored(3)
@@ -175,6 +180,12 @@ def test_v05_through_main_ppo(v05: Runs) -> None:
         m = v05.metrics[step]
         for name in ("v05/prior_mean", "v05/baseline_mean", "v05/weight_mean"):
             assert 0.0 <= m[name] <= 1.0, (step, name)
+    # the KL loss to verl's reference worker (on the CPU: the CPU mode's unpinned offload): 0
+    # while the policy is the reference, finite and positive once the actor has trained, in
+    # the resumed launch too (its actor is the trained one, its reference the initial model)
+    kl = [v05.metrics[step]["actor/kl_loss"] for step in (1, 2, 3)]
+    assert all(math.isfinite(v) for v in kl), kl
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[1] > 1e-6 and kl[2] > 1e-6, kl
     before, after = v05.state(2)["prior"], v05.state(3)["prior"]
     assert before["step"] == 2 and after["step"] == 3  # restored, then one more step
     evidence = before["evidence"]
@@ -196,10 +207,56 @@ def test_v05_tops_up_through_verls_agent_loop(v05: Runs) -> None:
     assert len(drift) > N and set(drift) == {0.0}
 
 
+def engine_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The weights, the optimizer's per-parameter state and its hyper-parameters of one verl
+    FSDP checkpoint folder (world size 1), as local tensors, parameters in the optimizer's
+    order."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    # verl saves DTensors, whose device mesh pickles as an object: not weights_only
+    model = torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False)
+    optim = torch.load(folder / "optim_world_size_1_rank_0.pt", weights_only=False)
+    weights = {name: local(value).float() for name, value in model.items()}
+    state = {i: {k: local(v).float() for k, v in s.items()} for i, s in optim["state"].items()}
+    if len(weights) == len(state) + 1:  # the tiny Llama ties lm_head to the embeddings
+        weights.pop("lm_head.weight")
+    (group,) = optim["param_groups"]
+    return weights, state, group
+
+
+def check_resumed_engine(before: Path, after: Path) -> None:
+    """The engine that ran the resumed step started from the weights and optimizer state saved
+    in ``before``: one AdamW step (verl's optimizer) from ``before``'s weights, with the
+    moments ``after`` saved, gives ``after``'s weights exactly, and ``after``'s moments are
+    ``before``'s advanced by one gradient. An engine that started from its initial weights or a
+    fresh optimizer fails both (its weights differ from ``before``'s by the two earlier steps,
+    about the learning rate per weight)."""
+    w0, s0, _ = engine_state(before)
+    w1, s1, group = engine_state(after)
+    lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    assert list(w0) == list(w1) and len(w0) == len(s1)
+    moved = 0.0
+    for i, name in enumerate(w0):
+        step = float(s1[i]["step"])
+        assert step == float(s0[i]["step"]) + 1, name
+        m, v = s1[i]["exp_avg"], s1[i]["exp_avg_sq"]
+        update = (m / (1 - b1**step)) / (v.sqrt() / (1 - b2**step) ** 0.5 + eps)
+        replayed = w0[name] * (1 - lr * decay) - lr * update
+        torch.testing.assert_close(w1[name], replayed, rtol=0, atol=lr * 1e-3, msg=name)
+        grad = (m - b1 * s0[i]["exp_avg"]) / (1 - b1)
+        torch.testing.assert_close(v, b2 * s0[i]["exp_avg_sq"] + (1 - b2) * grad**2,
+                                   rtol=1e-4, atol=1e-12, msg=name)  # fmt: skip
+        moved = max(moved, (w1[name] - w0[name]).abs().max().item())
+    assert moved > lr / 2  # the resumed step trained: the check compares moved weights
+
+
 def test_vapo_through_main_ppo(vapo: Runs) -> None:
     """VAPO: verl's critic (FSDP2 on the CPU) trained alone at step 1 (critic_warmup), the
     actor from step 2 with VAPO's loss (the NLL term set through verl's worker group in both
-    launches), VAPO's critic metrics, the critic's checkpoint saved and resumed."""
+    launches), VAPO's critic metrics, the critic's checkpoint saved and resumed: the resumed
+    step starts from the saved critic's weights and optimizer state."""
     check_resumed(vapo)
     assert vapo.scored(2) and len(vapo.scored(3)) == loop.BATCH * N  # no presampling
     assert "actor/pg_loss" not in vapo.metrics[1]  # value pretraining: the actor waits
@@ -213,3 +270,8 @@ def test_vapo_through_main_ppo(vapo: Runs) -> None:
     for step in (2, 3):
         critic = vapo.folder / f"global_step_{step}" / "critic"
         assert critic.is_dir() and any(critic.iterdir())
+    # the resumed launch's critic (and actor) are the saved ones: step 3 started from step
+    # 2's weights and optimizer state
+    for role in ("critic", "actor"):
+        check_resumed_engine(vapo.folder / "global_step_2" / role,
+                             vapo.folder / "global_step_3" / role)  # fmt: skip

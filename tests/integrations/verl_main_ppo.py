@@ -8,7 +8,8 @@ with the ``anchor_rl`` rollout backend, for ``STEPS`` steps in all, resuming fro
 checkpoint in ``DIR/checkpoints`` when there is one (verl's ``resume_mode=auto``). Each launch
 logs verl's metrics to ``DIR/metrics_<METHOD>_<STEPS>.jsonl`` (verl's file logger) and its
 output to ``DIR/log_<METHOD>_<STEPS>.txt``. Hydra writes ``outputs/`` into the working
-directory, which is ``DIR``.
+directory, which is ``DIR``. ``benchmarks/verl_gpu.sh`` runs the same launches on a GPU
+(:func:`launch`'s ``device="cuda"``, FSDP1 or FSDP2).
 
 The reward (``reward.py``) picks its rule by ``data_source``, so outcomes vary on a random
 model and every branch of the methods is reached:
@@ -79,9 +80,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-def prepare(out: Path) -> None:
-    """The tiny model, the parquet files and the reward module in ``out`` (once)."""
-    if (out / "model" / "config.json").exists():
+def prepare(out: Path, model: str = "tiny") -> None:
+    """The model (anchor-rl's ``model`` size, random, seed 0; skipped when ``out/model`` holds a
+    model already, e.g. one written by ``benchmarks/make_hf_model.py``), the parquet files and
+    the reward module in ``out`` (once)."""
+    if (out / "reward.py").exists():
         return
     import pandas as pd
 
@@ -89,9 +92,10 @@ def prepare(out: Path) -> None:
     from anchor_rl.models.tokenizer import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    build_model("tiny", tokenizer, seed=0).save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
+    if not (out / "model" / "config.json").exists():
+        tokenizer = build_tokenizer()
+        build_model(model, tokenizer, seed=0).save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
     rows = [
         {
             "data_source": source,
@@ -122,7 +126,7 @@ METHOD_OVERRIDES = {
         "anchor_rl.v05.k_max=6",
         "anchor_rl.v05.top_up_rounds=1",
         "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.use_kl_loss=false",
+        # the example's KL loss to verl's reference worker (low_var_kl, 0.04) stays on
     ],
     "vapo": [
         "actor_rollout_ref.rollout.n=2",
@@ -140,8 +144,27 @@ METHOD_OVERRIDES = {
 }
 
 
-def overrides(out: Path, method: str, steps: int) -> list[str]:
-    """The Hydra overrides of one launch (the CPU mode's settings, docs/integrations.md)."""
+DEVICES = ("cpu", "cuda")
+STRATEGIES = ("fsdp2", "fsdp")
+
+
+def overrides(
+    out: Path, method: str, steps: int, device: str = "cpu", strategy: str = "fsdp2"
+) -> list[str]:
+    """The Hydra overrides of one launch: the CPU mode's settings (docs/integrations.md) on
+    ``device="cpu"``; on ``"cuda"`` the same run on one real GPU (fp32, sdpa, no
+    remove-padding, no torch.compile), with ``strategy`` ``fsdp2`` or ``fsdp`` (FSDP1, which
+    the CPU mode refuses) for the actor, the reference and the critic."""
+    if device not in DEVICES or strategy not in STRATEGIES:
+        raise ValueError(f"device {device!r} not in {DEVICES} or strategy {strategy!r} not in "
+                         f"{STRATEGIES}")  # fmt: skip
+    if device == "cpu" and strategy != "fsdp2":
+        raise ValueError("the CPU mode runs FSDP2 only (docs/integrations.md)")
+    accelerator = (
+        ["+ray_kwargs.ray_init.num_gpus=1"]  # a logical GPU places verl's workers on the CPU
+        if device == "cpu"
+        else ["actor_rollout_ref.actor.use_torch_compile=false"]
+    )
     return [
         f"anchor_rl_method={method}",
         f"anchor_rl.store={out}/anchors_{method}.db",
@@ -158,8 +181,8 @@ def overrides(out: Path, method: str, steps: int) -> list[str]:
         "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.ref.strategy=fsdp2",
+        f"actor_rollout_ref.actor.strategy={strategy}",
+        f"actor_rollout_ref.ref.strategy={strategy}",
         "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision="
         "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
@@ -169,6 +192,9 @@ def overrides(out: Path, method: str, steps: int) -> list[str]:
         "actor_rollout_ref.rollout.name=anchor_rl",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={BATCH}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={BATCH}",
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision="
+        "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
@@ -179,26 +205,37 @@ def overrides(out: Path, method: str, steps: int) -> list[str]:
         f"trainer.default_local_dir={out}/checkpoints/{method}",
         "trainer.resume_mode=auto",
         "trainer.logger=[console,file]",
-        "+ray_kwargs.ray_init.num_gpus=1",
+        *accelerator,
         "+ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        *METHOD_OVERRIDES[method],
+        *(o.replace("=fsdp2", f"={strategy}") for o in METHOD_OVERRIDES[method]),
     ]
 
 
 def launch(
-    out: Path, method: str, steps: int, extra: Sequence[str] = (), timeout: float = 1800
+    out: Path,
+    method: str,
+    steps: int,
+    extra: Sequence[str] = (),
+    timeout: float = 1800,
+    device: str = "cpu",
+    strategy: str = "fsdp2",
 ) -> subprocess.CompletedProcess:
     """One ``main_ppo`` launch in ``out`` (see the module docstring); its output is also in
     ``out/log_<method>_<steps>.txt``. The launch runs in its own process group, which is
-    killed (Ray's processes included) when it outlives ``timeout`` seconds (return code 124)."""
+    killed (Ray's processes included) when it outlives ``timeout`` seconds (return code 124).
+    ``device`` and ``strategy``: :func:`overrides`; ``"cpu"`` sets ``VERL_PLATFORM=cpu``, and
+    ``"cuda"`` removes it."""
     prepare(out)
     tag = f"{method}_{steps}"
     resumes = (out / "checkpoints" / method / "latest_checkpointed_iteration.txt").exists()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RAY_ADDRESS"))}
+    env.pop("VERL_PLATFORM", None)
+    if device == "cpu":
+        env["VERL_PLATFORM"] = "cpu"
     env.update(
-        VERL_PLATFORM="cpu", RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
+        RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false", ANCHOR_RL_CACHE=str(out / "cache"),
         VERL_FILE_LOGGER_PATH=str(out / f"metrics_{tag}.jsonl"),
         SCORED_LOG=str(out / f"scored_{tag}.tsv"), HYDRA_FULL_ERROR="1",
@@ -209,7 +246,8 @@ def launch(
         PRESAMPLED=str(0 if method == "vapo" or resumes else len(PROMPTS) * M),
     )  # fmt: skip
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
-           "--config-name=anchor_rl_qwen2.5_1.5b", *overrides(out, method, steps), *extra]  # fmt: skip
+           "--config-name=anchor_rl_qwen2.5_1.5b", *overrides(out, method, steps, device, strategy),
+           *extra]  # fmt: skip
     log = out / f"log_{tag}.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen(

@@ -6,7 +6,7 @@ no CPU platform. This module registers one (``PlatformCPU``, :func:`register`), 
 probe always says "not here": verl's auto-detection never picks it, so a machine with GPUs
 behaves as before.
 It is used only when ``VERL_PLATFORM=cpu`` is set, and then :func:`activate` (run when the
-plug-in loads, in every process that imports verl) also fills the two gaps a CPU platform
+plug-in loads, in every process that imports verl) also fills the gaps a CPU platform
 alone leaves:
 
 - **the process group**: verl's ``initialize_global_process_group_ray`` builds the backend
@@ -16,6 +16,11 @@ alone leaves:
   the CPU mode registers the FSDP2 engine (``strategy=fsdp2``) for ``cpu`` as well. FSDP1
   (``strategy=fsdp``) keeps parameters on an accelerator and stays unregistered for ``cpu``,
   so verl refuses it with ``No engine registered for device='cpu'``;
+- **the reference model's offload**: verl's FSDP engine shards every forward-only model (the
+  reference of a KL loss or KL-in-reward) with ``CPUOffloadPolicy(pin_memory=True)``
+  (``workers/engine/fsdp/transformer_impl.py``), hard-coded, and pinning host memory needs an
+  accelerator; the CPU mode makes the engine's policy unpinned (``pin_memory=False``, the
+  parameters stay in the host memory they are computed in), so a KL to the reference runs;
 - **the critic's model**: verl's ``load_valuehead_model`` (``verl/utils/model.py``) loads a
   critic as ``AutoModelForTokenClassification`` with ``attn_implementation`` hard-coded to
   ``flash_attention_2``, which needs a GPU, and falls back to trl's value-head class, which
@@ -239,9 +244,20 @@ def _value_model(load: Any) -> Any:
     return load_valuehead_model
 
 
+def _unpinned(policy: type) -> type:
+    """``policy`` (torch's ``CPUOffloadPolicy``) with host memory never pinned."""
+
+    class UnpinnedCPUOffloadPolicy(policy):  # type: ignore[misc, valid-type]
+        def __init__(self, pin_memory: bool = False) -> None:
+            super().__init__(pin_memory=False)
+
+    UnpinnedCPUOffloadPolicy.__wrapped__ = policy  # type: ignore[attr-defined]
+    return UnpinnedCPUOffloadPolicy
+
+
 def activate() -> bool:
-    """With ``VERL_PLATFORM=cpu``: the gloo process group, the FSDP2 engine for ``cpu`` and
-    the critic's model loader (module docstring). Returns whether the CPU mode is on; without the variable it changes
+    """With ``VERL_PLATFORM=cpu``: the gloo process group, the FSDP2 engine for ``cpu``, the
+    reference model's unpinned offload and the critic's model loader (module docstring). Returns whether the CPU mode is on; without the variable it changes
     nothing. Safe to call twice."""
     if not requested():
         return False
@@ -259,6 +275,11 @@ def activate() -> bool:
 
     if not hasattr(model_utils.load_valuehead_model, "__wrapped__"):
         model_utils.load_valuehead_model = _value_model(model_utils.load_valuehead_model)
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
+
+    policy = getattr(fsdp_engine, "CPUOffloadPolicy", None)
+    if policy is not None and not hasattr(policy, "__wrapped__"):
+        fsdp_engine.CPUOffloadPolicy = _unpinned(policy)
     from verl.workers.engine import EngineRegistry
 
     for model_type in ("language_model", "value_model"):
