@@ -8,6 +8,7 @@ NCCL on GPUs), each running its share of an update (:mod:`~anchor_rl.cluster.dat
 replicated through DDP or sharded by FSDP2). :mod:`~anchor_rl.cluster.asynchronous`: rollouts prefetched
 ``cluster.async_steps`` steps ahead. The package sits at the trainer's layer: the learners run
 the trainer's update, and the trainer builds the engine, the learners and the prefetching.
-Not built yet (issue 17): NCCL weight broadcast to GPU rollout workers. The NCCL learners have
-never run on a GPU.
+:mod:`~anchor_rl.cluster.broadcast`: the workers' weights broadcast in a process group of their
+own (``cluster.weight_sync=collective``; gloo, NCCL on GPUs) instead of the object store. The
+NCCL learners and the NCCL broadcast have never run on a GPU.
 """

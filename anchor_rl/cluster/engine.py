@@ -8,14 +8,17 @@ rows back in request order. Per-request seeds make the result independent of the
 sharding: the same requests give the same responses as the ``hf`` engine in this process
 (up to the floating-point caveat of :mod:`anchor_rl.rollout.sampling`).
 
-Weights flow driver -> object store -> workers: :meth:`RayEngine.sync_weights` puts the
-learner's ``state_dict`` (as CPU tensors) into Ray's object store once and every worker
-loads it. That suits small models; on GPUs at scale a NCCL broadcast group from the
-learner to the workers is what verl and OpenRLHF do, and it is not built here.
+Weights flow driver -> workers in one of two ways (``weight_sync``). ``object_store``:
+:meth:`RayEngine.sync_weights` puts the learner's ``state_dict`` (as CPU tensors) into Ray's
+object store once and every worker loads it. ``collective``: the driver and the workers
+form a torch.distributed group of their own and the driver broadcasts the tensors in
+buckets, gloo on the CPU, NCCL between GPUs, as verl and OpenRLHF do
+(:mod:`anchor_rl.cluster.broadcast`).
 
 A worker that dies (killed, out of memory, its node lost) is replaced by a new actor
-given the last synced weights, and the work it had is sent again; per-request seeding
-makes the re-sampled responses the same. The engine logs a warning and counts it in
+given the last synced weights (with ``collective``: the tensors last synced, put in the
+object store for it once; the group is rebuilt at the next sync), and the work it had is
+sent again; per-request seeding makes the re-sampled responses the same. The engine logs a warning and counts it in
 :attr:`RayEngine.restarts`, once per death: each call sent remembers the actor it went to,
 and a call whose actor was already replaced (by another call that met the death first) is
 sent again to the replacement, without a second restart.
@@ -41,6 +44,14 @@ from pydantic import PositiveInt
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from anchor_rl.batch import RolloutBatch
+from anchor_rl.cluster.broadcast import (
+    SYNC_TIMEOUT_S,
+    DriverGroup,
+    WeightSync,
+    WeightSyncError,
+    check_collective,
+    plan_buckets,
+)
 from anchor_rl.cluster.connect import connect, import_ray
 from anchor_rl.cluster.worker import RolloutWorker
 from anchor_rl.models.lora import sampling_state
@@ -93,6 +104,10 @@ class RayEngine:
         together; the forward pass of generation, :mod:`anchor_rl.rollout.decoders`;
         ``bf16`` samples from bfloat16 parameters).
     startup_timeout: seconds to wait for the workers to start before a clear error.
+    weight_sync: ``object_store`` (the default) or ``collective`` (a broadcast in a process
+        group of the driver and the workers; refused on CUDA unless each worker has whole
+        GPUs of its own).
+    sync_timeout: seconds a collective sync's rendezvous and each broadcast may take.
 
     restarts: workers replaced after they died, over the engine's life.
     syncs: :meth:`sync_weights` calls (the initial push included).
@@ -111,6 +126,8 @@ class RayEngine:
         decode: DecodeMode = "auto",
         precision: Precision = "model",
         startup_timeout: float = 300.0,
+        weight_sync: WeightSync = "object_store",
+        sync_timeout: float = SYNC_TIMEOUT_S,
     ) -> None:
         _check_int("workers", workers, 1)
         _check_number("num_cpus_per_worker", num_cpus_per_worker)
@@ -132,10 +149,19 @@ class RayEngine:
                 f"rollout.engine_args.precision must be one of {', '.join(PRECISIONS)}, "
                 f"got {precision!r}"
             )
+        if weight_sync not in ("object_store", "collective"):
+            raise ValueError(
+                "rollout.engine_args.weight_sync (cluster.weight_sync) must be object_store or "
+                f"collective, got {weight_sync!r}"
+            )
+        _check_number("sync_timeout", sync_timeout)
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        if weight_sync == "collective":
+            check_collective(device, num_gpus_per_worker)
         self._ray = ray = import_ray()
         connect(address, workers * num_cpus_per_worker)
         _check_resources(ray, workers, num_cpus_per_worker, num_gpus_per_worker)
-        param = next(model.parameters(), None)
         self._spec = (
             type(model),
             model.config,
@@ -155,6 +181,10 @@ class RayEngine:
         self.startup_timeout = startup_timeout
         self.restarts = self.syncs = 0
         self._weights: Any = None  # ObjectRef of the last synced CPU state dict
+        self._state: Mapping[str, torch.Tensor] | None = None  # collective: the last synced
+        self._group = (
+            DriverGroup(ray, device, sync_timeout) if weight_sync == "collective" else None
+        )
         self._workers: list[Any] = []  # the current actor of each worker slot
         self._pids: list[int] = []
         actors = [self._spawn() for _ in range(workers)]
@@ -200,13 +230,16 @@ class RayEngine:
         return PendingRollout(self, calls, self._dispatch(calls), shards)
 
     def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Put ``state`` (the learner's ``state_dict``, on any device) into the object store
-        once, as CPU tensors, and have every worker load it; a worker started later (a
-        restart) gets these weights too."""
+        """Have every worker load ``state`` (the learner's ``state_dict``, on any device); a
+        worker started later (a restart) gets these weights too. ``object_store``: put into
+        the object store once, as CPU tensors; ``collective``: broadcast (:meth:`_broadcast`)."""
         self._check_open()
-        cpu = {k: v.detach().to("cpu") for k, v in state.items()}
-        self._weights = self._ray.put(cpu)
-        self._call({w: ("sync", (self._weights,)) for w in range(len(self._workers))})
+        if self._group is not None:
+            self._broadcast(state)
+        else:
+            cpu = {k: v.detach().to("cpu") for k, v in state.items()}
+            self._weights = self._ray.put(cpu)
+            self._call({w: ("sync", (self._weights,)) for w in range(len(self._workers))})
         self.syncs += 1
 
     # -- inspection and shutdown ------------------------------------------------------
@@ -225,6 +258,8 @@ class RayEngine:
         """Stop the workers (their resources go back to the cluster); idempotent. Ray itself
         keeps running: other engines of this process may use it."""
         workers, self._workers = self._workers, []
+        if self._group is not None:
+            self._group.close()
         if self._ray.is_initialized():
             for w in workers:
                 self._ray.kill(w)
@@ -272,7 +307,10 @@ class RayEngine:
         actor = self._spawn()
         self._workers[w] = actor
         self._pids[w] = self._wait_started([actor])[0]
-        if self._weights is not None:
+        if self._group is not None and self._state is not None:  # one object-store copy
+            cpu = {k: v.detach().to("cpu") for k, v in self._state.items()}
+            ray.get(actor.sync.remote(ray.put(cpu), self.syncs))
+        elif self._weights is not None:
             ray.get(actor.sync.remote(self._weights))
         self.restarts += 1
         logger.warning(
@@ -281,6 +319,25 @@ class RayEngine:
             w, old_pid, during, type(error).__name__, self._pids[w],
             f"{requests} requests" if requests else "call",
         )  # fmt: skip
+
+    def _broadcast(self, state: Mapping[str, torch.Tensor]) -> None:
+        """A collective sync, version ``syncs + 1``: each worker is sent the bucket plan
+        first (which waits out the calls queued before it and restarts a worker found
+        dead), then the driver broadcasts. A failed broadcast (a worker died in it) is
+        tried once more, the dead worker restarted by the second plan call and the group
+        rebuilt; a second failure raises."""
+        assert self._group is not None
+        version, buckets = self.syncs + 1, plan_buckets(state)
+        for attempt in (1, 2):
+            self._call({w: ("prepare_receive", (buckets, version)) for w in range(self.workers)})
+            try:
+                self._group.sync(self._workers, state, buckets, version)
+                break
+            except WeightSyncError as exc:
+                if attempt == 2:
+                    raise
+                logger.warning("%s; trying once more", exc)
+        self._state = state
 
     def _call(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
         """Run ``method(*args)`` on each worker ``w`` of ``calls``, in parallel (see

@@ -319,6 +319,11 @@ class ClusterConfig(Section):
     address: str = "local"
     """The Ray cluster of the rollout workers: `local` starts Ray in this process, `auto` joins
     the cluster `ray start --head` started, or HOST:PORT."""
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    """How the rollout workers get the learner's weights after each update: `object_store`, one
+    copy put in Ray's object store that every worker loads; `collective`, a broadcast in a
+    torch.distributed group of this process and the workers (gloo on the CPU; NCCL on CUDA,
+    each worker on whole GPUs of its own, never run on a GPU yet)."""
     learners: int = Field(1, gt=0)
     """Data-parallel learner ranks of the policy update and the critic's (torch.distributed:
     gloo on the CPU; NCCL with one GPU per rank on CUDA, never run on a GPU yet): this process
@@ -474,6 +479,8 @@ class TrainConfig(Section):
         ``cluster.rollout_workers > 0``, else ``rollout.engine`` with ``rollout.engine_args``."""
         if self.cluster.rollout_workers:
             workers = {"workers": self.cluster.rollout_workers, "address": self.cluster.address}
+            if self.cluster.weight_sync != "object_store":
+                workers["weight_sync"] = self.cluster.weight_sync
             return "ray", {**self.rollout.engine_args, **workers}
         return self.rollout.engine, dict(self.rollout.engine_args)
 

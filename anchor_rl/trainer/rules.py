@@ -152,8 +152,10 @@ def combination_errors(cfg: Any) -> list[str]:
             f"cluster.rollout_workers runs the built-in engine in Ray actors, not "
             f"rollout.engine={cfg.rollout.engine}: drop one of them"
         )
-    if not cfg.cluster.rollout_workers and changed(cfg.cluster, ("address",)):
-        errors.append(no_effect("cluster", ["address"], "cluster.rollout_workers=0 uses no Ray"))
+    if not cfg.cluster.rollout_workers and (
+        names := changed(cfg.cluster, ("address", "weight_sync"))
+    ):
+        errors.append(no_effect("cluster", names, "cluster.rollout_workers=0 uses no Ray"))
     name, options = cfg.engine
     signature = inspect.signature(engines().lookup(name))
     try:
@@ -166,10 +168,13 @@ def combination_errors(cfg: Any) -> list[str]:
     if unlisted := sorted(set(cfg.component_args) - set(cfg.components)):
         errors.append(f"component_args names {unlisted}, which components does not list")
 
-    if cfg.cluster.rollout_workers and {"workers", "address"} & set(cfg.rollout.engine_args):
+    if cfg.cluster.rollout_workers and {"workers", "address", "weight_sync"} & set(
+        cfg.rollout.engine_args
+    ):
         errors.append(
-            "rollout.engine_args.workers / .address with cluster.rollout_workers: the cluster "
-            "section sets them (cluster.rollout_workers, cluster.address); set them there, or "
+            "rollout.engine_args.workers / .address / .weight_sync with cluster.rollout_workers: "
+            "the cluster section sets them (cluster.rollout_workers, cluster.address, "
+            "cluster.weight_sync); set them there, or "
             "name the engine directly (rollout.engine=ray) without cluster.rollout_workers"
         )
     if cfg.cluster.async_steps:
