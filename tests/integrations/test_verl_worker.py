@@ -99,6 +99,34 @@ def test_value_head_probe_follows_trl(monkeypatch):
     assert monkey_patch.is_trl_available is compat.value_head_available
 
 
+def test_the_critic_loads_with_sdpa_wherever_flash_attention_is_missing(monkeypatch, tmp_path):
+    """verl's critic loader asks for flash-attention 2 on every platform; without the package
+    (this machine, or a GPU machine without it) the plug-in's loader takes ``sdpa`` and the
+    critic loads. With flash-attn importable verl's own loader is kept."""
+    import importlib.util
+
+    import verl.utils.model as model_utils
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    assert importlib.util.find_spec("flash_attn") is None
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    compat.patch()  # the plug-in's load already did; a second call changes nothing
+    loader = model_utils.load_valuehead_model
+    assert loader.__wrapped__.__module__ == "verl.utils.model"
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    critic_config = AutoConfig.from_pretrained(tmp_path, num_labels=1)
+    critic = loader(str(tmp_path), torch.float32, critic_config, False)
+    assert critic.config._attn_implementation == "sdpa" and critic.score.out_features == 1
+    monkeypatch.setattr(model_utils, "load_valuehead_model", loader.__wrapped__)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real(name, *a))  # fmt: skip
+    compat.patch()
+    assert model_utils.load_valuehead_model is loader.__wrapped__
+
+
 def test_cpu_mode_is_off_unless_asked(monkeypatch):
     from verl.plugin.platform.platform_manager import PlatformRegistry, _detect_platform_name
     from verl.utils import distributed
@@ -109,9 +137,6 @@ def test_cpu_mode_is_off_unless_asked(monkeypatch):
     assert _detect_platform_name() != "cpu"  # never auto-detected
     assert not cpu.requested() and not cpu.activate()
     assert not hasattr(distributed.initialize_global_process_group_ray, "__wrapped__")
-    import verl.utils.model as model_utils
-
-    assert not hasattr(model_utils.load_valuehead_model, "__wrapped__")
     import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 
     assert not hasattr(fsdp_engine.CPUOffloadPolicy, "__wrapped__")

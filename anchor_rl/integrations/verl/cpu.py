@@ -24,8 +24,9 @@ alone leaves:
 - **the critic's model**: verl's ``load_valuehead_model`` (``verl/utils/model.py``) loads a
   critic as ``AutoModelForTokenClassification`` with ``attn_implementation`` hard-coded to
   ``flash_attention_2``, which needs a GPU, and falls back to trl's value-head class, which
-  trl 1.16 lacks; the CPU mode loads the same class with ``sdpa`` (``eager`` when the
-  model's config asks for it).
+  trl 1.16 lacks; the CPU mode installs ``compat.value_model_loader`` (the same class with
+  ``sdpa``, ``eager`` when the model's config asks for it), which ``compat.patch`` also
+  installs on any machine without flash-attn.
 
 The mode is tested in fp32 (bf16 mixed precision is untested on the CPU), with ``sdpa``
 attention and without remove-padding (flash-attention's varlen kernels need a GPU): the
@@ -41,6 +42,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from anchor_rl.integrations.verl.compat import value_model_loader
 
 __all__ = ["PLATFORM", "CPUDevice", "activate", "register", "requested"]
 
@@ -226,24 +229,6 @@ def _gloo(initialize: Any) -> Any:
     return initialize_global_process_group_ray
 
 
-def _value_model(load: Any) -> Any:
-    """verl's ``load_valuehead_model`` with the attention a CPU has (module docstring)."""
-
-    def load_valuehead_model(local_path: str, torch_dtype: Any, model_config: Any,
-                             trust_remote_code: bool) -> Any:  # fmt: skip
-        from transformers import AutoModelForTokenClassification
-
-        asked = getattr(model_config, "_attn_implementation", None)
-        return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype,
-            config=model_config, attn_implementation="eager" if asked == "eager" else "sdpa",
-            trust_remote_code=trust_remote_code,
-        )  # fmt: skip
-
-    load_valuehead_model.__wrapped__ = load  # type: ignore[attr-defined]
-    return load_valuehead_model
-
-
 def _unpinned(policy: type) -> type:
     """``policy`` (torch's ``CPUOffloadPolicy``) with host memory never pinned."""
 
@@ -274,7 +259,7 @@ def activate() -> bool:
     import verl.utils.model as model_utils
 
     if not hasattr(model_utils.load_valuehead_model, "__wrapped__"):
-        model_utils.load_valuehead_model = _value_model(model_utils.load_valuehead_model)
+        model_utils.load_valuehead_model = value_model_loader(model_utils.load_valuehead_model)
     import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 
     policy = getattr(fsdp_engine, "CPUOffloadPolicy", None)
