@@ -1,11 +1,11 @@
 """Soak benchmark: one long `anchor-rl train` run watched from outside for leaks.
 
     python benchmarks/soak.py --steps 2000 --out docs/results/soak/inprocess.json
-    RAY_AUTH_MODE=disabled python benchmarks/soak.py --steps 2000 --workers 2 \\
+    OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled python benchmarks/soak.py --steps 2000 --workers 2 \\
         --out docs/results/soak/ray2.json -- rollout.engine_args.num_cpus_per_worker=0.5
     python benchmarks/soak.py --table docs/results/soak      # rebuild soak.md from the JSONs
 
-The run is the `pvpo` preset on `model=random:tiny` (arithmetic), small steps (4 prompts x 4
+The run is the `pvpo_paper` preset on `model=random:tiny` (arithmetic), small steps (4 prompts x 4
 responses, 16 new tokens), evaluation off, a checkpoint every `--checkpoint-every` steps with
 `checkpoint.keep=--keep`, and the anchors refreshed every `--refresh-every` steps into an
 anchor store of its own, so the run writes metrics, checkpoints and store rows as it goes.
@@ -18,7 +18,7 @@ reference's: on 2 cores add `rollout.engine_args.num_cpus_per_worker=0.5`).
 Every `--interval` seconds the script samples, from outside the run: each process of the
 run's process tree (the trainer and what it started: Ray's raylet, GCS and workers, spawned
 learners) with its resident memory (RSS), open file descriptors and threads (psutil where
-installed, else /proc); the run directory's bytes (checkpoints apart, and how many
+installed, else /proc) and its threads' names; the run directory's bytes (checkpoints apart, and how many
 `step_*` checkpoints exist); the complete rows of `metrics.jsonl` and the last step among
 them; the anchor store's rows per table and its refresh keys.
 
@@ -29,6 +29,8 @@ after it up to the last step:
   value at the first sample after warm-up;
 - `fds`, `threads`: the tree's open descriptors and threads over the last five samples
   (median) exceed those of the first five after warm-up by at most `--fd-tol` / `--thread-tol`;
+  `by_role` names the process roles whose count changed, and for threads `by_name` the
+  thread names (Linux's `comm`: gRPC pollers, Ray's io threads, Python thread names) per role;
 - `disk`: never more than keep + 1 `step_*` checkpoints (the newest is published before the
   oldest is deleted), exactly keep at the end, and checkpoint bytes at the end within 10% of
   those after warm-up; the other files' growth is reported per 1,000 steps;
@@ -70,9 +72,25 @@ CRITERIA = ("rss", "fds", "threads", "disk", "metrics", "store")
 # ---------------------------------------------------------------- sampling
 
 
+def _thread_names(pid: int) -> dict[str, int]:
+    """How many of the process's threads carry each name (Linux's 15-character ``comm``: gRPC
+    pollers, Ray's io contexts, Python's ``threading`` names); empty where /proc is absent."""
+    names: dict[str, int] = defaultdict(int)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            names[Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()] += 1
+        except OSError:
+            continue
+    return dict(names)
+
+
 def _proc_tree(root: int) -> list[dict[str, Any]]:
-    """``[{pid, role, rss, fds, threads}]`` of ``root`` and its descendants (rss in bytes);
-    processes that exit while read are skipped."""
+    """``[{pid, role, rss, fds, threads, names}]`` of ``root`` and its descendants (rss in
+    bytes, names: :func:`_thread_names`); processes that exit while read are skipped."""
     if psutil is not None:
         try:
             top = psutil.Process(root)
@@ -85,7 +103,7 @@ def _proc_tree(root: int) -> list[dict[str, Any]]:
                 with p.oneshot():
                     row = dict(pid=p.pid, role=_role(p.pid == root, p.cmdline()),
                                rss=p.memory_info().rss, fds=p.num_fds(),
-                               threads=p.num_threads())  # fmt: skip
+                               threads=p.num_threads(), names=_thread_names(p.pid))  # fmt: skip
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             out.append(row)
@@ -117,7 +135,7 @@ def _proc_tree_linux(root: int) -> list[dict[str, Any]]:
             out.append(dict(pid=pid, role=_role(pid == root, [c.decode() for c in cmd if c]),
                             rss=int(status["VmRSS"].split()[0]) * 1024,
                             fds=len(os.listdir(f"/proc/{pid}/fd")),
-                            threads=int(status["Threads"])))  # fmt: skip
+                            threads=int(status["Threads"]), names=_thread_names(pid)))  # fmt: skip
         except (OSError, KeyError, ValueError):
             continue
     return out
@@ -134,8 +152,9 @@ def _role(is_root: bool, cmdline: list[str]) -> str:
     if head.startswith("ray::"):  # an actor's title names its running method: drop it
         return head.split(".")[0]
     name = Path(head).name
-    if name.startswith("python") and len(cmdline) > 1:
-        return f"python {Path(cmdline[1]).name}"
+    script = [c for c in cmdline[1:] if not c.startswith("-")]  # past `-u` and the like
+    if name.startswith("python") and script:
+        return f"python {Path(script[0]).name}"
     return name
 
 
@@ -204,9 +223,12 @@ def sample(pid: int, run_dir: Path, store: Path, metrics: MetricsReader, t0: flo
     ckpt_bytes = _tree_bytes(ckpt_root) if ckpt_root.is_dir() else 0
     steps = metrics.read()
     roles: dict[str, dict[str, int]] = {k: defaultdict(int) for k in ("rss", "fds", "threads")}
+    names: dict[str, int] = defaultdict(int)  # "role/thread name" -> threads
     for p in procs:
         for key, by_role in roles.items():
             by_role[p["role"]] += p[key]
+        for name, n in p["names"].items():
+            names[f"{p['role']}/{name}"] += n
     return dict(
         t=round(t, 2),
         step=steps[-1] if steps else 0,
@@ -220,6 +242,7 @@ def sample(pid: int, run_dir: Path, store: Path, metrics: MetricsReader, t0: flo
         fds_tree=sum(p["fds"] for p in procs),
         threads_trainer=next((p["threads"] for p in procs if p["role"] == "trainer"), 0),
         threads_tree=sum(p["threads"] for p in procs),
+        thread_names=dict(names),
         ckpt_count=len(ckpts),
         ckpt_newest=int(ckpts[-1].split("_")[1]) if ckpts else 0,
         ckpt_bytes=ckpt_bytes,
@@ -285,10 +308,25 @@ def verdicts(
             out[name] = dict(ok=tail - head <= tol, tol=tol, start=head, end=tail,
                              max=max(s[key] for s in post),
                              trainer_start=_median([s[f"{name}_trainer"] for s in post[:5]]),
-                             trainer_end=_median([s[f"{name}_trainer"] for s in post[-5:]]))  # fmt: skip
+                             trainer_end=_median([s[f"{name}_trainer"] for s in post[-5:]]),
+                             by_role=_changed(post, f"{name}_by_role"))  # fmt: skip
+        out["threads"]["by_name"] = _changed(post, "thread_names")
     out["disk"] = _disk_verdict(samples, steps, keep, warmup)
     out["metrics"] = _metrics_verdict(samples, steps, final_steps)
     out["store"] = _store_verdict(samples, steps, refresh_every, refresh_rows)
+    return out
+
+
+def _changed(post: list[dict], key: str) -> dict[str, list[float]]:
+    """``{name: [start, end]}`` of the entries of ``sample[key]`` (a dict of counts) whose
+    median over the first five samples differs from that over the last five."""
+    names = sorted({n for s in post for n in s.get(key, {})})
+    out = {}
+    for n in names:
+        head = _median([s.get(key, {}).get(n, 0) for s in post[:5]])
+        tail = _median([s.get(key, {}).get(n, 0) for s in post[-5:]])
+        if head != tail:
+            out[n] = [head, tail]
     return out
 
 
@@ -431,7 +469,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fd_tol=args.fd_tol,
             thread_tol=args.thread_tol,
         ),  # fmt: skip
-        samples=samples,
+        # the per-name thread counts are summed up in the threads verdict (`by_name`)
+        samples=[{k: v for k, v in s.items() if k != "thread_names"} for s in samples],
     )
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)

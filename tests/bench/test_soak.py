@@ -68,6 +68,20 @@ def test_descriptors_or_threads_growing_fail_and_a_spike_does_not(name: str) -> 
     assert judge(run_samples(**{f"{name}_tree": spike}))[name]
 
 
+def test_threads_verdict_names_the_process_and_thread_that_grew() -> None:
+    samples = run_samples(threads_tree=lambda step, v: v + 3 * (step > 600))
+    for s in samples:
+        grew = 3 * (s["step"] > 600)
+        s["threads_by_role"] = {"trainer": 5, "raylet": 35 + grew}
+        s["thread_names"] = {"trainer/python": 5, "raylet/raylet": 3,
+                             "raylet/client.poll0": 32 + grew}  # fmt: skip
+    v = soak.verdicts(samples, steps=STEPS, keep=KEEP, refresh_every=EVERY, warmup=201,
+                      final_steps=list(range(1, STEPS + 1)), refresh_rows=ROWS)  # fmt: skip
+    assert not v["threads"]["ok"]
+    assert v["threads"]["by_role"] == {"raylet": [35, 38]}
+    assert v["threads"]["by_name"] == {"raylet/client.poll0": [32, 35]}
+
+
 def test_checkpoints_beyond_keep_fail() -> None:
     unbounded = dict(ckpt_count=lambda step, v: step // 100,
                      ckpt_bytes=lambda step, v: step // 100 * 10 * MIB)  # fmt: skip
@@ -125,9 +139,11 @@ def test_readers_see_complete_rows_the_store_and_this_process(tmp_path: Path) ->
 
     assert soak._role(False, ["ray::RolloutWorker.rollout"]) == "ray::RolloutWorker"
     assert soak._role(False, ["/venv/bin/python", "/ray/dashboard/agent.py"]) == "python agent.py"
+    assert soak._role(False, ["/venv/bin/python", "-u", "/ray/monitor.py"]) == "python monitor.py"
     for tree in (soak._proc_tree, soak._proc_tree_linux):
         (me,) = [p for p in tree(os.getpid()) if p["role"] == "trainer"]
         assert me["pid"] == os.getpid() and me["rss"] > 0 and me["fds"] > 0 and me["threads"] >= 1
+        assert sum(me["names"].values()) >= 1
 
 
 def test_table_lists_each_result(tmp_path: Path) -> None:
