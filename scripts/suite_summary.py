@@ -14,10 +14,11 @@ suite's). The run directories are read as they are: their stored configs, not th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 from pathlib import Path
 
-from anchor_rl.bench.runner import load_suite, plan, report, with_budget
+from anchor_rl.bench.runner import load_suite, max_rollouts, plan, report, with_budget
 
 
 def main() -> None:
@@ -30,6 +31,9 @@ def main() -> None:
     suite = load_suite(args.suite)
     out = args.out or args.runs
     specs = plan(suite, args.runs, None)
+    if suite.budget == "max":  # as the bench run read it: the most any other finished run spent
+        done = [s for s in specs if not s.to_budget and (s.run_dir / "summary.json").exists()]
+        suite = dataclasses.replace(suite, budget=max_rollouts(done))
     if suite.budget is not None and isinstance(suite.budget, int):
         specs = [with_budget(s, suite.budget, suite.name) if s.label in suite.to_budget else s
                  for s in specs]  # fmt: skip

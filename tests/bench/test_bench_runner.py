@@ -67,10 +67,22 @@ def test_builtin_suites_load_and_every_run_validates(tmp_path) -> None:
     suite = load_suite("baselines")
     assert suite.presets == ["grpo", "drgrpo", "dapo", "rloo", "reinforce_pp"]
     full = plan(suite, tmp_path)
-    assert len(full) == 5 * len(suite.seeds)
+    assert len(full) == 9 * len(suite.seeds)
     assert all(s.config.task == "arithmetic" and s.config.model == "sft:tiny" for s in full)
+    # every method but the most expensive (DAPO) has a copy run to the common budget, the
+    # same config but for budget.rollouts (a stand-in before "max" is known)
+    assert suite.budget == "max" and sorted(suite.to_budget) == sorted(
+        f"{p}+budget" for p in ("grpo", "drgrpo", "rloo", "reinforce_pp")
+    )
+    by = {(s.label, s.seed): s for s in full}
+    for label in suite.to_budget:
+        copy, cell = by[(label, 0)], by[(label.removesuffix("+budget"), 0)]
+        assert copy.to_budget and not cell.to_budget and copy.config.budget.rollouts is not None
+        mine, same = copy.config.model_dump(), cell.config.model_dump()
+        mine.pop("budget"), same.pop("budget")
+        assert mine == same, label
     quick = plan(suite, tmp_path, seeds=[0], profile="quick")
-    assert len(quick) == 5 and all(s.config.model == "random:tiny" for s in quick)
+    assert len(quick) == 9 and all(s.config.model == "random:tiny" for s in quick)
     dapo = next(s.config for s in quick if s.label == "dapo")
     assert (
         dapo.filter.kind == "dynamic" and dapo.loss.clip_high == 0.28
@@ -347,6 +359,19 @@ def test_testbed_sampled_differs_from_testbed_only_in_how_it_evaluates(tmp_path)
         for name in ("k", "temperature"):
             same["eval"].pop(name), mine["eval"].pop(name)
         assert mine == same, key
+    # the testbed's 100-step variants have copies run to grpo+steps400's budget
+    testbed = load_suite("testbed")
+    assert testbed.budget == "max" and "grpo+steps400" not in testbed.to_budget
+    for label, seed in greedy:
+        if label in testbed.to_budget:
+            mine = greedy[(label, seed)].model_dump()
+            same = greedy[(label.removesuffix("_budget"), seed)].model_dump()
+            for name in ("budget", "eval", "checkpoint"):  # the copies evaluate every 50 steps
+                mine.pop(name), same.pop(name)
+            assert mine == same, label
+    assert {label for label, _ in greedy} - {label for label, _ in sampled} >= set(
+        testbed.to_budget
+    )
 
 
 BUDGET_SUITE = """

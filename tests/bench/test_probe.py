@@ -105,7 +105,19 @@ def test_v05_suite_plans_the_papers_comparison(tmp_path) -> None:
     from anchor_rl.bench.runner import Suite, load_suite, plan
     from anchor_rl.trainer.config import ConfigError
 
-    specs = plan(load_suite("v05"), tmp_path, seeds=[0])
+    suite = load_suite("v05")
+    specs = plan(suite, tmp_path, seeds=[0])
+    # every cell cheaper than DAPO k16 has a copy run to the common budget ("max": DAPO's)
+    assert suite.budget == "max" and {s.label for s in specs if s.to_budget} == set(
+        suite.to_budget
+    ) == {"v05+k4_budget", "grpo+k4_budget", "grpo+k12_budget", "grpo+k16_budget"}
+    by = {s.label: s.config.model_dump() for s in specs}
+    for label in suite.to_budget:
+        mine, same = dict(by[label]), dict(by[label.removesuffix("_budget")])
+        for name in ("budget", "eval", "checkpoint"):  # the copies evaluate less often
+            mine.pop(name), same.pop(name)
+        assert mine == same and by[label]["budget"]["rollouts"] is not None, label
+    specs = [s for s in specs if not s.to_budget]
     cells = [(s.label, s.config.advantage.estimator, s.config.rollout.n) for s in specs]
     assert cells == [
         ("v05+k4", "v05", 4), ("grpo+k4", "grpo", 4), ("grpo+k12", "grpo", 12),

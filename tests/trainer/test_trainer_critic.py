@@ -549,7 +549,20 @@ def _state_equal(a, b) -> bool:
 def test_vapo_suite_plans_ppo_vapo_and_each_ablation_at_equal_rollouts(tmp_path) -> None:
     from anchor_rl.bench.runner import load_suite, plan
 
-    specs = plan(load_suite("vapo"), tmp_path)
+    suite = load_suite("vapo")
+    specs = plan(suite, tmp_path)
+    # the cells without value pretraining have a copy run to the common budget (VAPO's total)
+    budget = ["ppo+budget", "vapo+no_value_pretraining_budget"]
+    assert suite.budget == "max" and suite.to_budget == budget
+    copies = [s for s in specs if s.to_budget]
+    assert sorted({s.label for s in copies}) == budget
+    for copy in copies:
+        cell = next(s for s in specs if s.label == copy.label.removesuffix("_budget")
+                    .removesuffix("+budget") and s.seed == copy.seed)  # fmt: skip
+        mine, same = copy.config.model_dump(), cell.config.model_dump()
+        mine.pop("budget"), same.pop("budget")
+        assert mine == same and copy.config.budget.rollouts is not None, copy.label
+    specs = [s for s in specs if not s.to_budget]
     labels = sorted({s.label for s in specs})
     assert labels == sorted(
         ["ppo", "vapo", "vapo+length_matched"]
