@@ -69,9 +69,7 @@ def main() -> None:
             for k, cost in enumerate(per_run)
         ],
         "grpo_rollouts_to_match": {
-            c: next(
-                (p[1] for p in grpo[c] if sum(p[2]) >= sum(pvpo[c][-1][2])), None
-            )
+            c: next((p[1] for p in grpo[c] if sum(p[2]) >= sum(pvpo[c][-1][2])), None)
             for c in configs
         },
     }
