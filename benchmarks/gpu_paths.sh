@@ -36,12 +36,9 @@ stage() {  # stage NAME SECONDS COMMAND...: run COMMAND with a time limit, log i
 
 same_metrics() {  # same_metrics RUN_A RUN_B: every metric of every step equal but timings
   python3 - "$1" "$2" <<'EOF'
-import json, math, sys
-from anchor_rl.trainer.logging import read_metrics
-def rows(d):
-    return [{k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()
-             if not k.startswith("time/") and "seconds" not in k} for r in read_metrics(d)]
-a, b = rows(sys.argv[1]), rows(sys.argv[2])
+import json, sys
+from anchor_rl.trainer.logging import metrics_but_timings
+a, b = metrics_but_timings(sys.argv[1]), metrics_but_timings(sys.argv[2])
 diff = [(i, k, x[k], y.get(k)) for i, (x, y) in enumerate(zip(a, b)) for k in x if x[k] != y.get(k)]
 print(json.dumps({"steps": [len(a), len(b)], "differing": len(diff), "first": diff[:5]}, default=str))
 sys.exit(0 if len(a) == len(b) and not diff else 1)

@@ -19,19 +19,17 @@ import argparse
 import json
 from pathlib import Path
 
+from anchor_rl.bench.budget import curve_points
 from anchor_rl.bench.stats import two_level_bootstrap
 from anchor_rl.trainer.logging import read_evals, read_metrics
 
 
 def curve(run_dir: Path) -> list[tuple[int, int, list[float]]]:
-    """(step, total rollouts, per-prompt held-out correctness) at each evaluation."""
-    totals = {row["step"]: row.get("rollouts/total", 0) for row in read_metrics(run_dir)}
-    out = []
-    for row in read_evals(run_dir):
-        correct = row["test"]["correct"]
-        scores = [float(correct[key]) / row["test"].get("k", 1) for key in sorted(correct)]
-        out.append((row["step"], int(totals.get(row["step"], 0)), scores))
-    return out
+    """(step, total rollouts, per-prompt held-out accuracy in prompt order) per evaluation."""
+    points = curve_points(read_metrics(run_dir), read_evals(run_dir))
+    return [
+        (p.step, int(p.rollouts), [p.per_prompt[k] for k in sorted(p.per_prompt)]) for p in points
+    ]
 
 
 def main() -> None:

@@ -1,16 +1,17 @@
 """Helpers shared by the test packages (importable from every one of them: tests/ is on the
 path because of tests/conftest.py): a toy task a random-init model earns reward on, the
-tiny-run overrides, seeded engine requests, a run's metrics without its timings, and a count of the
-reference sampler's calls."""
+tiny-run overrides, seeded engine requests, a run's metrics without its timings (the package's
+``metrics_but_timings``, imported here for the tests), and a count of the reference sampler's
+calls."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from anchor_rl.anchors.presample import RolloutSampler
 from anchor_rl.rollout.engine import Request, group_requests
 from anchor_rl.tasks.base import Record, Task
+from anchor_rl.trainer.logging import metrics_but_timings  # noqa: F401 (the tests import it here)
 
 TINY = [
     "model=random:tiny",
@@ -47,17 +48,6 @@ class ParityTask(Task):
 def requests(prompts: list[str], n: int = 1, seed: int = 0) -> list[Request]:
     """``n`` seeded requests per prompt (group i for prompts[i])."""
     return group_requests(prompts, list(range(len(prompts))), n, "test", seed)
-
-
-def metrics_but_timings(run_dir: Path) -> list[dict]:
-    """Every metric of every step of a run but its timings (NaN made comparable)."""
-    from anchor_rl.trainer.logging import read_metrics
-
-    return [
-        {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()
-         if not k.startswith("time/") and "seconds" not in k}
-        for r in read_metrics(run_dir)
-    ]  # fmt: skip
 
 
 def response_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -135,6 +136,17 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     if path.is_dir():
         path = jsonl_path(path / METRICS_FILE)
     return read_jsonl(path)
+
+
+def metrics_but_timings(run_dir: Path) -> list[dict[str, Any]]:
+    """Every metric of every step of a run but its timings (``time/*`` and any ``*seconds*``
+    key), NaN as the string ``"nan"`` so that two runs compare equal with ``==``: what an
+    exact resume must reproduce."""
+    return [
+        {k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()
+         if not k.startswith("time/") and "seconds" not in k}
+        for r in read_metrics(run_dir)
+    ]  # fmt: skip
 
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
