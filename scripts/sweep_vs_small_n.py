@@ -8,8 +8,9 @@ Usage: ``python scripts/sweep_vs_small_n.py SWEEP_DIR SMALL_N_DIR [--out FILE.js
 sweep's PVPO runs in run order) a PVPO run's cost per run is the sweep's cumulative cost of
 its first k runs over k; GRPO's run is read at its last evaluation whose total rollouts are
 at or below that cost. The difference (PVPO minus GRPO, held-out accuracy at the runs' last
-evaluations) is a two-level bootstrap over the configurations (as runs) and the held-out
-prompts, paired by configuration. Also: the difference at equal steps (GRPO read at PVPO's
+evaluations) is a two-level bootstrap over the runs (a configuration at a seed) and the
+held-out prompts, paired by configuration and seed; a seed present in only one directory is
+left out. Also: the difference at equal steps (GRPO read at PVPO's
 step count) and, per configuration, the rollouts GRPO needed to first reach PVPO's accuracy.
 """
 
@@ -42,9 +43,21 @@ def main() -> None:
     methods = summary["sweep"]["methods"]
     pvpo_preset = next(p for p, m in methods.items() if m["reads_anchors"])
     per_run = methods[pvpo_preset]["per_run"]["rollouts"]
-    configs = [run["label"].split("+", 1)[1] for run in methods[pvpo_preset]["runs"]]
-    pvpo = {c: curve(next((args.sweep / f"{pvpo_preset}+{c}").iterdir())) for c in configs}
-    grpo = {c: curve(next((args.small_n / f"grpo+{c}").iterdir())) for c in configs}
+    labels = list(
+        dict.fromkeys(run["label"].split("+", 1)[1] for run in methods[pvpo_preset]["runs"])
+    )
+
+    def seeds(root: Path, label: str) -> set[str]:
+        return {d.name for d in root.glob(f"{label}/seed*") if (d / "summary.json").exists()}
+
+    # a run is a configuration at a seed: "lr1e-5_kl1e-3/seed0"
+    configs = [
+        f"{c}/{s}"
+        for c in labels
+        for s in sorted(seeds(args.sweep, f"{pvpo_preset}+{c}") & seeds(args.small_n, f"grpo+{c}"))
+    ]
+    pvpo = {c: curve(args.sweep / f"{pvpo_preset}+{c}") for c in configs}
+    grpo = {c: curve(args.small_n / f"grpo+{c}") for c in configs}
 
     def at_most(points, budget):
         kept = [p for p in points if p[1] <= budget]

@@ -4,6 +4,9 @@ cost summary and break-even k (synthetic runs), and a micro sweep end to end."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -222,6 +225,22 @@ def test_micro_sweep_end_to_end(tmp_path) -> None:
 
     page = write_report([out], tmp_path / "report")["md"].read_text()
     assert "Sweep sharing one anchor store" in page and "`pvpo` vs `grpo`" in page
+
+    # scripts/sweep_vs_small_n.py pairs the PVPO runs with GRPO's by configuration and seed
+    # (here GRPO N = 4 of the same sweep), at equal steps and at each k's cost per run
+    script = Path(__file__).resolve().parents[2] / "scripts" / "sweep_vs_small_n.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), str(out), "--out", str(tmp_path / "vs.json")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    vs = json.loads((tmp_path / "vs.json").read_text())
+    assert json.loads(done.stdout) == vs
+    assert vs["configurations"] == ["lr1/seed0", "lr2/seed0"]
+    assert [row["k"] for row in vs["equal_cost_per_run"]] == [1, 2]
+    per_run = [round(c) for c in pvpo["per_run"]["rollouts"]]
+    assert [row["pvpo_per_run"] for row in vs["equal_cost_per_run"]] == per_run
+    for reading in [vs["equal_steps"], *vs["equal_cost_per_run"]]:
+        assert reading["low"] <= reading["diff"] <= reading["high"]
 
 
 def test_bench_cli_switches_a_suite_file_to_a_sweep_and_back(tmp_path, monkeypatch) -> None:
