@@ -28,7 +28,10 @@ checkpoint (:meth:`LearnerGroup.consolidate`) the optimiser state into the run's
 optimiser, so a checkpoint is the same consolidated state as without sharding. A critic
 (``critic.mode = "separate"``) is sharded the same way, beside the policy: every rank trains
 a shard of it, and rank 0 gathers its weights into the run's critic after each critic
-update and its AdamW state before each checkpoint.
+update and its AdamW state before each checkpoint. A LoRA run's shards split the frozen base
+weights and the adapters alike; the optimisers step the trainable parameters alone, and
+rank 0 gathers only those (:func:`_full_weights`), so the run's policy keeps its base tensors,
+which its reference (``models.lora.lora_base``) shares.
 """
 
 from __future__ import annotations
@@ -212,7 +215,7 @@ class LearnerGroup:
                 adv, correct, self.cfg, None, schedule=schedule, dp=self.dp,
             )  # fmt: skip
             if self.dp.sharded:  # the new weights into the run's policy; its schedule's step
-                self.policy.load_state_dict(_full_weights(model))
+                _load_weights(self.policy, _full_weights(model))
                 self.scheduler.load_state_dict(scheduler.state_dict())
             return metrics
         except RuntimeError as exc:
@@ -256,7 +259,7 @@ class LearnerGroup:
             assert self.trained_critic is not None
             fit = _fit_critic(*self.trained_critic, payload, self.cfg, self.dp)
             if self.dp.sharded:  # the new weights into the run's critic
-                self.critic[0].load_state_dict(_full_weights(self.trained_critic[0]))
+                _load_weights(self.critic[0], _full_weights(self.trained_critic[0]))
             return fit
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "the critic's update")) from exc
@@ -501,7 +504,7 @@ def _sharded_learner(
     """This rank's FSDP2 shard of ``model`` (the whole policy, loaded) with its AdamW shard
     and schedule, restored from ``state`` (the optimiser by parameter name). Collective."""
     shard_model(model, cfg.cluster.learners)
-    optimizer, scheduler = make_optimizer(cfg, model.parameters())
+    optimizer, scheduler = make_optimizer(cfg, trainable_parameters(model))
     _load_full_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return model, optimizer, scheduler
@@ -523,11 +526,38 @@ def _sharded_critic(
 
 
 def _full_weights(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The sharded ``model``'s whole state dict, on rank 0's CPU (empty elsewhere). Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """The sharded ``model``'s whole state dict, on rank 0's CPU (empty elsewhere). Collective.
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    A model with frozen parameters (a LoRA model's base weights) gathers its trainable ones
+    alone, by name (the adapters; a critic's head), not its buffers nor frozen weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    named = list(model.named_parameters())
+    if all(p.requires_grad for _, p in named):  # the same on every rank
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    state = {}
+    for name, param in named:  # in the same order on every rank
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if dist.get_rank() == 0:
+                state[name] = full.detach().cpu()
+    return state
+
+
+def _load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (:func:`_full_weights`) into rank 0's whole ``model`` in place; its
+    frozen parameters (a LoRA model's base, shared with the reference) stay as they are."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen |= {n for n, _ in model.named_buffers()}  # not gathered either; never trained
+    result = model.load_state_dict(state, strict=False)
+    missing = [name for name in result.missing_keys if name not in frozen]
+    if missing or result.unexpected_keys:  # not a RuntimeError: no rank stopped
+        raise AnchorRLError(
+            f"the gathered weights do not fit the run's model (missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]})"
+        )
 
 
 def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -194,13 +194,6 @@ def lora_errors(cfg: Any) -> list[str]:
             f"lora.dropout={lc.dropout} has no effect: disable_dropout=true switches every "
             "dropout off; set disable_dropout=false, or drop lora.dropout"
         )
-    if cfg.cluster.learners > 1 and cfg.cluster.learner_sharding == "fsdp":
-        errors.append(
-            "lora with cluster.learner_sharding=fsdp is not built (the shards' gathers and "
-            "optimiser state assume every parameter trains); use "
-            "cluster.learner_sharding=replicate: each rank holds the frozen base once and "
-            "trains the adapters"
-        )
     return errors
 
 
