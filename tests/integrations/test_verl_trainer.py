@@ -218,6 +218,7 @@ def test_the_whole_loops_launch_settings_compose(method, device, strategy, tmp_p
         assert cfg.critic.strategy == strategy == cfg.critic.fsdp.strategy
     assert ("num_gpus" in cfg.ray_kwargs.ray_init) == (device == "cpu")
     assert actor_rollout_ref.actor.use_kl_loss == (method == "v05")
+    assert cfg.algorithm.use_kl_in_reward == (method == "v05")  # V0.5: the KL in its reward too
     assert actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == loop.BATCH
     with pytest.raises(ValueError, match="FSDP2 only"):
         loop.overrides(tmp_path, method, 2, "cpu", "fsdp")
@@ -508,7 +509,9 @@ def transfer_queue():
     ray.shutdown()
 
 
-def _stage(trainer, tq, rows, tags) -> tuple[torch.Tensor, dict, dict]:
+def _stage(
+    trainer, tq, rows, tags, read=("advantages", "returns")
+) -> tuple[torch.Tensor, dict, dict]:
     from transfer_queue import KVBatchMeta
 
     keys = [k for k, _ in rows]
@@ -524,7 +527,7 @@ def _stage(trainer, tq, rows, tags) -> tuple[torch.Tensor, dict, dict]:
     )
     # the handle the next stages get lists the new fields (verl hands workers only those)
     assert {"advantages", "returns", "rm_scores"} <= set(meta.fields)
-    out = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages", "returns"])
+    out = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=list(read))
     tq.kv_clear(keys=keys, partition_id="train")
     return out["advantages"].to_padded_tensor(0.0), out, metrics
 
@@ -566,3 +569,32 @@ def test_the_trainers_advantage_stage_writes_our_advantages_to_the_transfer_queu
     torch.testing.assert_close(out["returns"].to_padded_tensor(0.0), data.batch["returns"])
     assert "anchor_rl/critic/explained_variance" in metrics
     assert np.isfinite(metrics["anchor_rl/critic/value_mse"])
+
+
+def test_the_advantage_stage_takes_the_kl_in_the_reward(anchors, transfer_queue) -> None:
+    """``algorithm.use_kl_in_reward`` (verl's ``apply_kl_penalty``, ``kl_penalty=kl``, fixed
+    beta): the reward written back is the score minus beta * (old - ref) on response tokens,
+    and PVPO's advantage is that reward's sum minus the prompt's anchor."""
+    tq, beta = transfer_queue, 0.5
+    rows = trajectories(7)
+    g = torch.Generator().manual_seed(7)
+    for _, f in rows:
+        n = len(f["response_mask"])
+        f["old_log_probs"] = -torch.rand(n, generator=g)
+        f["ref_log_prob"] = -torch.rand(n, generator=g)
+    trainer = trainer_for(
+        "pvpo", anchors, "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl",
+        f"algorithm.kl_ctrl.kl_coef={beta}",
+    )  # fmt: skip
+    tags = [{"status": "success"} for _ in rows]
+    advantages, out, metrics = _stage(
+        trainer, tq, rows, tags, read=("advantages", "token_level_rewards")
+    )
+    mask = padded(rows, "response_mask")
+    kl = (padded(rows, "old_log_probs") - padded(rows, "ref_log_prob")) * mask
+    expected = padded(rows, "rm_scores") - beta * kl
+    torch.testing.assert_close(out["token_level_rewards"].to_padded_tensor(0.0), expected)
+    assert (beta * kl.sum(-1)).abs().max() > 0.1  # the penalty moves the rewards
+    anchor = torch.tensor([sum(ANCHOR_REWARDS[int(f["uid"][-1])]) / 4 for _, f in rows])
+    torch.testing.assert_close(advantages, pvpo(expected.sum(-1), anchor).unsqueeze(-1) * mask)
+    assert metrics["actor/reward_kl_penalty_coeff"] == beta

@@ -10,7 +10,7 @@
   VAPO's ``vapo_actor_loss``, saving and loading its engine checkpoint (the losses it
   reports are anchor-rl's own functions on the log-probs the worker computed), and verl's
   weight sync into the ``anchor_rl`` rollout backend (after it, the sampler's log-probs
-  are the actor's);
+  are the actor's); and a second actor in verl's bf16 mixed precision, one step;
 - the start-up check of the registrations (:mod:`anchor_rl.integrations.verl.registry`).
 """
 
@@ -268,6 +268,26 @@ def test_engine_checkpoint_saves_and_restores(worker_slice):
     # the optimizer state too: step 4 from the loaded state repeats step 4
     torch.testing.assert_close(r["lp6"], r["lp4"], rtol=0, atol=1e-5)
     assert r["m4_again"]["loss"][0] == pytest.approx(r["m4"]["loss"][0], **TOL)
+
+
+def test_bf16_mixed_precision_trains_on_the_cpu(worker_slice):
+    """verl's bf16 mixed precision in the CPU mode (FSDP2 ``param_dtype=bf16``, fp32 master
+    weights and reduction): the worker computes its log-probs in bf16, within bf16's
+    rounding of the fp32 worker's on the same initial weights (unlike those, not equal to
+    them), and an ``anchor_rl_ppo`` step on them raises the positive rows and lowers the
+    negative ones, the weights and AdamW's moments staying fp32."""
+    r, bf16 = worker_slice, worker_slice["bf16"]
+    assert r["lp_dtypes"] == ["torch.float32"] and bf16["lp_dtypes"] == ["torch.bfloat16"]
+    mask = r["mask"] > 0
+    gap = (bf16["lp0"] - r["lp0"])[mask].abs()
+    assert 0 < gap.max() < 0.1, gap  # bf16 keeps 8 bits of mantissa: ~0.02 at |log p| ~ 5
+    assert (bf16["lp0"][~mask] == 0).all()
+    # on-policy step 1: the ratio is 1, the loss anchor-rl's surrogate (as the fp32 step 1)
+    assert bf16["m1"]["actor/anchor_rl/ratio_mean"][0] == pytest.approx(1.0, abs=1e-6)
+    assert bf16["m1"]["grad_norm"][0] > 0
+    change = (bf16["lp1"] - bf16["lp0"]).sum(-1)
+    assert (torch.sign(change) == torch.tensor(slice_.SIGNS)).all(), change
+    assert bf16["param_dtypes"] == ["torch.float32"] and bf16["moment_dtypes"] == ["torch.float32"]
 
 
 def test_registrations_are_checked_at_trainer_start(monkeypatch):

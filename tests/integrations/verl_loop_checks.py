@@ -12,7 +12,9 @@ is picked by ``data_source``: ``easy`` always 1, ``hard`` 1 only with the answer
 about half): steps 1-2 with a checkpoint at step 2, then a second launch that resumes from
 it and runs step 3. The reward workers append every response they score to a file, so
 the tests count what verl's agent loop sampled: presampling, training rollouts, teacher
-rows and top-ups.
+rows and top-ups. V0.5's launches (a KL loss and a KL in the reward, several mini-batches
+per step) also load :mod:`verl_probe`, which records every optimizer step of the actor and
+every advantage stage of the trainer.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ N = 2
 class Runs:
     """Both launches of one method in one directory, and what they left there."""
 
-    def __init__(self, out: Path, method: str) -> None:
+    def __init__(self, out: Path, method: str, probe: bool = False) -> None:
         self.out, self.method = out, method
-        self.first = loop.launch(out, method, 2)
+        self.first = loop.launch(out, method, 2, probe=probe)
         assert self.first.returncode == 0, self.first.stdout[-6000:]
-        self.second = loop.launch(out, method, 3)
+        self.second = loop.launch(out, method, 3, probe=probe)
         assert self.second.returncode == 0, self.second.stdout[-6000:]
         self.metrics = {**loop.metrics(out, method, 2), **loop.metrics(out, method, 3)}
         self.folder = out / "checkpoints" / method
@@ -56,6 +58,13 @@ class Runs:
         path = self.out / f"scored_{self.method}_{steps}.tsv"
         lines = path.read_text().splitlines() if path.exists() else []
         return [(line.split("\t")[0], float(line.split("\t")[-1])) for line in lines]
+
+    def probed(self, kind: str, steps: int) -> list[dict]:
+        """What :mod:`verl_probe` recorded in one launch: ``kind`` ``optim`` (every optimizer
+        step, in order; one process) or ``advantage`` (every advantage stage)."""
+        files = sorted((self.out / f"probe_{self.method}_{steps}").glob(f"{kind}_*.pt"))
+        assert len({f.name.split("_")[1] for f in files}) <= 1, files  # one process
+        return [torch.load(f, weights_only=False) for f in files]
 
     def total(self, name: str, steps: range) -> float:
         return sum(self.metrics[s].get(name, 0.0) for s in steps)
@@ -75,7 +84,7 @@ def pvpo(base: Path) -> Runs:
 
 @pytest.fixture(scope="module")
 def v05(base: Path) -> Runs:
-    return Runs(base, "v05")
+    return Runs(base, "v05", probe=True)
 
 
 @pytest.fixture(scope="module")
@@ -226,30 +235,108 @@ def engine_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return weights, state, group
 
 
-def check_resumed_engine(before: Path, after: Path) -> None:
-    """The engine that ran the resumed step started from the weights and optimizer state saved
-    in ``before``: one AdamW step (verl's optimizer) from ``before``'s weights, with the
-    moments ``after`` saved, gives ``after``'s weights exactly, and ``after``'s moments are
-    ``before``'s advanced by one gradient. An engine that started from its initial weights or a
-    fresh optimizer fails both (its weights differ from ``before``'s by the two earlier steps,
-    about the learning rate per weight)."""
+def replay(before: Path, steps: list[tuple[dict, dict]], after: Path) -> None:
+    """The engine that ran the resumed training step started from the weights and optimizer
+    state saved in ``before``, and its optimizer steps are ``steps``: each one's AdamW moments
+    (``{index: {step, exp_avg, exp_avg_sq}}``) and hyper-parameters, in order. Each step's
+    moments are the previous ones advanced by one gradient (``m = b1 m' + (1 - b1) g`` fixes
+    ``g``, and then ``v = b2 v' + (1 - b2) g^2`` must hold), AdamW's update from those moments,
+    applied from ``before``'s weights step by step, gives ``after``'s weights, and the last
+    moments are ``after``'s. An engine that started from other weights or a fresh optimizer
+    fails (its weights differ from ``before``'s by the earlier steps, about the learning rate
+    per weight)."""
     w0, s0, _ = engine_state(before)
-    w1, s1, group = engine_state(after)
-    lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    assert list(w0) == list(w1) and len(w0) == len(s1)
+    w1, s1, _ = engine_state(after)
+    assert list(w0) == list(w1) and len(w0) == len(s1) and steps
+    weights = dict(w0)
+    for n, (state, group) in enumerate(steps):
+        lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        assert len(state) == len(w0), n
+        for i, name in enumerate(w0):
+            previous = s0[i] if n == 0 else steps[n - 1][0][i]
+            step = float(state[i]["step"])
+            assert step == float(previous["step"]) + 1, (n, name)
+            m, v = state[i]["exp_avg"], state[i]["exp_avg_sq"]
+            grad = (m - b1 * previous["exp_avg"]) / (1 - b1)
+            torch.testing.assert_close(v, b2 * previous["exp_avg_sq"] + (1 - b2) * grad**2,
+                                       rtol=1e-4, atol=1e-12, msg=f"{n} {name}")  # fmt: skip
+            update = (m / (1 - b1**step)) / (v.sqrt() / (1 - b2**step) ** 0.5 + eps)
+            weights[name] = weights[name] * (1 - lr * decay) - lr * update
+    lr = steps[-1][1]["lr"]
     moved = 0.0
     for i, name in enumerate(w0):
-        step = float(s1[i]["step"])
-        assert step == float(s0[i]["step"]) + 1, name
-        m, v = s1[i]["exp_avg"], s1[i]["exp_avg_sq"]
-        update = (m / (1 - b1**step)) / (v.sqrt() / (1 - b2**step) ** 0.5 + eps)
-        replayed = w0[name] * (1 - lr * decay) - lr * update
-        torch.testing.assert_close(w1[name], replayed, rtol=0, atol=lr * 1e-3, msg=name)
-        grad = (m - b1 * s0[i]["exp_avg"]) / (1 - b1)
-        torch.testing.assert_close(v, b2 * s0[i]["exp_avg_sq"] + (1 - b2) * grad**2,
-                                   rtol=1e-4, atol=1e-12, msg=name)  # fmt: skip
+        torch.testing.assert_close(w1[name], weights[name], rtol=0, atol=lr * 1e-3, msg=name)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s1[i][k], steps[-1][0][i][k], msg=f"{name} {k}")
         moved = max(moved, (w1[name] - w0[name]).abs().max().item())
     assert moved > lr / 2  # the resumed step trained: the check compares moved weights
+
+
+def check_resumed_engine(before: Path, after: Path) -> None:
+    """:func:`replay` of a training step with one optimizer step (one mini-batch, one epoch):
+    its moments are the ones ``after`` saved."""
+    _, state, group = engine_state(after)
+    replay(before, [(state, group)], after)
+
+
+def recorded_steps(records: list[dict]) -> list[tuple[dict, dict]]:
+    """:mod:`verl_probe`'s optimizer records as :func:`replay`'s steps."""
+    return [(dict(enumerate(r["state"])), r["group"]) for r in records]
+
+
+def test_v05_resumed_actor_replays_every_optimizer_step(v05: Runs) -> None:
+    """V0.5's resumed step 3 makes several optimizer steps (one prompt's rollouts per
+    mini-batch, top-ups included) with its KL loss in the gradient: every one, recorded in
+    the worker by :mod:`verl_probe`, replays from the step-2 checkpoint to the step-3 one."""
+    steps = recorded_steps(v05.probed("optim", 3))
+    assert len(steps) >= 2  # one mini-batch per prompt, two prompts per step
+    replay(v05.folder / "global_step_2" / "actor", steps, v05.folder / "global_step_3" / "actor")
+
+
+def test_replay_fails_for_a_checkpoint_paired_with_the_wrong_run(pvpo: Runs, v05: Runs) -> None:
+    """The replays can fail: V0.5's recorded steps from PVPO's step-2 actor, PVPO's resumed
+    step from V0.5's, and V0.5's steps from its own step-3 checkpoint (a run that did not
+    resume from step 2) are refused."""
+    steps = recorded_steps(v05.probed("optim", 3))
+    v05_2, v05_3 = (v05.folder / f"global_step_{k}" / "actor" for k in (2, 3))
+    pvpo_2, pvpo_3 = (pvpo.folder / f"global_step_{k}" / "actor" for k in (2, 3))
+    with pytest.raises(AssertionError):
+        replay(pvpo_2, steps, v05_3)
+    with pytest.raises(AssertionError):
+        check_resumed_engine(v05_2, pvpo_3)
+    with pytest.raises(AssertionError):
+        replay(v05_3, steps, v05_3)
+
+
+def test_v05_reward_carries_the_kl_to_the_reference(v05: Runs) -> None:
+    """``algorithm.use_kl_in_reward`` with V0.5 (``kl_penalty=kl``, a fixed beta): in every
+    step's advantage stage the reward is the score minus beta * (old - ref) per response
+    token, with verl's reference worker's log-probs, and the advantages are built on it: two
+    rollouts of one prompt differ in advantage by their rewards' difference, KL included.
+    At step 1 the actor is the reference and the penalty is 0; after training it is not."""
+    records = v05.probed("advantage", 2) + v05.probed("advantage", 3)
+    assert len(records) == 3
+    beta = loop.KL_IN_REWARD
+    shifts = []
+    for step, r in enumerate(records, start=1):
+        assert v05.metrics[step]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta)
+        mask = r["response_mask"]
+        kl = (r["old_log_probs"] - r["ref_log_prob"]) * mask
+        torch.testing.assert_close(r["token_level_rewards"], r["token_level_scores"] - beta * kl,
+                                   rtol=0, atol=1e-6)  # fmt: skip
+        penalty = beta * kl.sum(-1)
+        shifts.append(penalty.abs().max().item())
+        rewards = r["token_level_rewards"].sum(-1)
+        valid = r["valid"].nonzero().flatten().tolist()
+        adv = r["advantages"]
+        for i in valid:  # one advantage per response: r_i - b(prompt_i)
+            torch.testing.assert_close(adv[i][mask[i] > 0], adv[i, 0].expand(int(mask[i].sum())))
+        pairs = [(i, j) for i in valid for j in valid if i < j and r["uid"][i] == r["uid"][j]]
+        assert pairs, step
+        for i, j in pairs:
+            assert adv[i, 0] - adv[j, 0] == pytest.approx((rewards[i] - rewards[j]).item(),
+                                                          abs=1e-5), (step, i, j)  # fmt: skip
+    assert shifts[0] < 1e-5 and shifts[1] > 1e-3 and shifts[2] > 1e-3, shifts
 
 
 def test_vapo_through_main_ppo(vapo: Runs) -> None:

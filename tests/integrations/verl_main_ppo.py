@@ -36,11 +36,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 CONFIG_DIR = ROOT / "examples" / "verl" / "config"
 PROMPT_LENGTH, RESPONSE_LENGTH = 48, 8
 BATCH, M = 2, 4
 """Prompts per step; PVPO's presampled rollouts per prompt."""
+
+KL_IN_REWARD = 0.1
+"""V0.5's ``algorithm.kl_ctrl.kl_coef`` (a fixed controller): beta of the KL in its reward."""
 
 PROMPTS = [
     ("easy", "1+1", "2"),
@@ -126,7 +130,13 @@ METHOD_OVERRIDES = {
         "anchor_rl.v05.k_max=6",
         "anchor_rl.v05.top_up_rounds=1",
         "actor_rollout_ref.rollout.n=2",
-        # the example's KL loss to verl's reference worker (low_var_kl, 0.04) stays on
+        # the example's KL loss to verl's reference worker (low_var_kl, 0.04) stays on, and
+        # the same reference's KL goes into the reward too: r = score - beta * (old - ref)
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=kl",
+        f"algorithm.kl_ctrl.kl_coef={KL_IN_REWARD}",
+        # one prompt's rollouts per mini-batch: several optimizer steps per training step
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
     ],
     "vapo": [
         "actor_rollout_ref.rollout.n=2",
@@ -165,7 +175,8 @@ def overrides(
         if device == "cpu"
         else ["actor_rollout_ref.actor.use_torch_compile=false"]
     )
-    return [
+    own = [o.split("=")[0] for o in METHOD_OVERRIDES[method]]
+    base = [
         f"anchor_rl_method={method}",
         f"anchor_rl.store={out}/anchors_{method}.db",
         f"data.train_files={out}/train.parquet",
@@ -209,6 +220,10 @@ def overrides(
         "+ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+    # a method's own value of a key wins (Hydra refuses a key given twice)
+    return [
+        *(o for o in base if o.split("=")[0] not in own),
         *(o.replace("=fsdp2", f"={strategy}") for o in METHOD_OVERRIDES[method]),
     ]
 
@@ -221,12 +236,14 @@ def launch(
     timeout: float = 1800,
     device: str = "cpu",
     strategy: str = "fsdp2",
+    probe: bool = False,
 ) -> subprocess.CompletedProcess:
     """One ``main_ppo`` launch in ``out`` (see the module docstring); its output is also in
     ``out/log_<method>_<steps>.txt``. The launch runs in its own process group, which is
     killed (Ray's processes included) when it outlives ``timeout`` seconds (return code 124).
     ``device`` and ``strategy``: :func:`overrides`; ``"cpu"`` sets ``VERL_PLATFORM=cpu``, and
-    ``"cuda"`` removes it."""
+    ``"cuda"`` removes it. ``probe``: every process of the launch loads :mod:`verl_probe`,
+    which records each optimizer step and advantage stage in ``out/probe_<method>_<steps>``."""
     prepare(out)
     tag = f"{method}_{steps}"
     resumes = (out / "checkpoints" / method / "latest_checkpointed_iteration.txt").exists()
@@ -245,6 +262,12 @@ def launch(
         # the drift rule's presampling: only a launch that presamples scores these first
         PRESAMPLED=str(0 if method == "vapo" or resumes else len(PROMPTS) * M),
     )  # fmt: skip
+    if probe:
+        folder = out / f"probe_{tag}"
+        folder.mkdir(exist_ok=True)
+        path = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
+        env.update(ANCHOR_RL_VERL_PROBE=str(folder), VERL_USE_EXTERNAL_MODULES="verl_probe",
+                   PYTHONPATH=path)  # fmt: skip
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIG_DIR}",
            "--config-name=anchor_rl_qwen2.5_1.5b", *overrides(out, method, steps, device, strategy),
            *extra]  # fmt: skip

@@ -21,6 +21,12 @@ from the example Hydra config's VAPO group, and drives it as verl's trainer does
              ``update_weights(mode="naive")`` through the backend's ``ServerAdapter``;
              the same requests again; ``sleep`` + ``wake_up`` and again. Each sample is
              also scored by the actor (``compute_log_prob``).
+    bf16     a second actor worker (``actor`` role) with verl's bf16 mixed precision:
+             ``model_dtype=fp32`` master weights, FSDP2 ``MixedPrecisionPolicy`` with
+             ``param_dtype=bf16`` (and verl's CPU autocast in bf16), fp32 gradient
+             reduction: its log-probs before training (and their dtype), one
+             ``anchor_rl_ppo`` step as step 1, the log-probs after it, and the dtypes of
+             its parameters and AdamW moments.
 
 The rows' log-probs are ``[B, R]`` response tensors, 0 past each response.
 """
@@ -36,6 +42,9 @@ from functools import partial
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "verl" / "config"
+FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+BF16 = "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}"
+"""``actor_rollout_ref.actor.fsdp_config.mixed_precision`` of the two workers."""
 B, P, R = 4, 4, 5
 """Rows, prompt width (left-padded), response width (right-padded)."""
 PROMPT_LENS = [4, 3, 2, 4]
@@ -74,8 +83,8 @@ def main(out: Path) -> None:
     vocab = model.config.vocab_size
     del model
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(
+    def config(mixed_precision: str):  # type: ignore[no-untyped-def]
+        return compose(
             config_name="anchor_rl_qwen2.5_1.5b",
             overrides=[
                 "anchor_rl_method=vapo",
@@ -85,8 +94,7 @@ def main(out: Path) -> None:
                 "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
                 "actor_rollout_ref.actor.strategy=fsdp2",
                 "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-                "+actor_rollout_ref.actor.fsdp_config.mixed_precision="
-                "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+                f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={mixed_precision}",
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={B}",
                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MICRO}",
                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={B}",
@@ -98,6 +106,9 @@ def main(out: Path) -> None:
                 f"actor_rollout_ref.rollout.prompt_length={P}",
             ],
         )
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg, cfg_bf16 = config(FP32), config(BF16)
     import verl  # noqa: F401  (loads the plug-in: the CPU platform, the trl fix)
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
@@ -136,6 +147,7 @@ def main(out: Path) -> None:
         data = batch(ids, attend)
         tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=1.0)
         output = worker.compute_log_prob(data)
+        dtypes.add(str(tu.get(output, "log_probs").dtype))
         return no_padding_2_padding(tu.get(output, "log_probs"), data).float() * attend[:, P:]
 
     def sample(request_id: str) -> dict:
@@ -170,6 +182,7 @@ def main(out: Path) -> None:
     from verl.utils.device import get_device_name
 
     platform = (get_device_name(), torch.distributed.get_backend())
+    dtypes: set[str] = set()  # of the log-probs compute_log_prob returns
     result: dict = {"mask": mask, "advantages": advantages, "platform": platform}
     result["trl"] = importlib.util.find_spec("trl") is not None  # the model build ran beside it
     result["lp0"] = log_probs()
@@ -206,6 +219,22 @@ def main(out: Path) -> None:
     result["after_wake"] = sample("a")
     result["generated"] = ray.get(replica.server_handle.__ray_call__.remote(lambda s: s.generated))
     ray.shutdown()
+    result["lp_dtypes"] = sorted(dtypes)
+    # bf16 mixed precision: a second actor (same initial weights), one anchor_rl_ppo step
+    dtypes.clear()
+    worker = ActorRolloutRefWorker(cfg_bf16.actor_rollout_ref, role="actor")
+    worker.init_model()
+    bf16 = {"lp0": log_probs()}
+    bf16["m1"] = train(bf16["lp0"])
+    bf16["lp1"] = log_probs()
+    bf16["lp_dtypes"] = sorted(dtypes)
+    engine = worker.actor.engine
+    bf16["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    bf16["moment_dtypes"] = sorted(
+        {str(v.dtype) for st in engine.optimizer.state.values() for k, v in st.items()
+         if k.startswith("exp_avg")}
+    )  # fmt: skip
+    result["bf16"] = bf16
     result["clip"] = (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c)
     result["loss_agg_mode"] = actor.loss_agg_mode
     torch.save(result, out / "slice.pt")

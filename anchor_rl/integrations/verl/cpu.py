@@ -28,9 +28,10 @@ alone leaves:
   ``sdpa``, ``eager`` when the model's config asks for it), which ``compat.patch`` also
   installs on any machine without flash-attn.
 
-The mode is tested in fp32 (bf16 mixed precision is untested on the CPU), with ``sdpa``
-attention and without remove-padding (flash-attention's varlen kernels need a GPU): the
-settings of docs/integrations.md, section "verl on a CPU".
+The mode runs verl's whole loop in fp32, and the actor also in verl's bf16 mixed precision
+(FSDP2 ``param_dtype=bf16`` over fp32 master weights, which torch runs on the CPU), with
+``sdpa`` attention and without remove-padding (flash-attention's varlen kernels need a GPU):
+the settings of docs/integrations.md, section "verl on a CPU".
 """
 
 from __future__ import annotations
