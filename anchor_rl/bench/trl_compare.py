@@ -16,6 +16,10 @@ writes ``trl_compare.json``, ``trl_compare.md`` (mean and 95% t-interval over se
 ratios, the TRL version, every setting mapped and everything that differs) and
 ``reward_vs_step.png``.
 
+Overrides ``trl.FIELD=VALUE`` set TRL's own ``GRPOConfig`` fields for its runs only (speed
+settings such as ``cache_implementation``); ``trl.best=true`` adds those that make TRL's CPU
+step faster without changing what is trained (``trl_config.BEST_CPU``).
+
 TRL learns from the TRL plug-in's dataset and reward (``anchor_rl.integrations.trl.data``).
 TRL and ``datasets`` come with the ``compare`` extra and are imported inside the runs.
 """
@@ -36,7 +40,12 @@ from typing import Any
 
 from anchor_rl.bench.host import host_info
 from anchor_rl.bench.runner import BenchArgs, RunSpec, Suite, command_line, plan
-from anchor_rl.bench.trl_config import grpo_config_kwargs, require_trl
+from anchor_rl.bench.trl_config import (
+    check_trl_options,
+    grpo_config_kwargs,
+    require_trl,
+    split_trl_options,
+)
 from anchor_rl.bench.trl_report import FRAMEWORKS, RESULT_FILE, write_summary
 from anchor_rl.trainer.config import ConfigError, TrainConfig, build_config
 
@@ -97,18 +106,22 @@ def run_trl_suite(
     evaluate both final models, write the comparison. Finished runs of the same config are
     kept; others are started over (a timing benchmark is not resumed).
 
+    Overrides ``trl.FIELD=VALUE`` (and ``trl.best=true``) set TRL's own ``GRPOConfig``
+    fields for its runs (:func:`split_trl_options`); the others configure both trainers.
+
     Returns ``{"summary_json", "summary_md", "plots"}`` paths.
     """
-    out, seeds, steps, overrides, profile, echo = args.unpack()
-    require_trl()
+    out, seeds, steps, given, profile, echo = args.unpack()
+    overrides, options = split_trl_options(given)
+    check_trl_options(require_trl(), options)
     keep_jax_off_the_gpu()
     specs = plan(TRL_SUITE, out, seeds, steps, overrides, profile)
     for spec in specs:
-        grpo_config_kwargs(spec.config, "")  # fail before any run
+        grpo_config_kwargs(spec.config, "", options)  # fail before any run
     _check_task(specs[0].config)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {f: [] for f in FRAMEWORKS}
-    command = command_line("trl", out, seeds, steps, overrides, profile)
+    command = command_line("trl", out, seeds, steps, given, profile)
     planned = [spec.seed for spec in specs]
     total = 2 * len(specs)
     done = 0
@@ -119,7 +132,7 @@ def run_trl_suite(
             done += 1
             run_dir = out / framework / f"seed{spec.seed}"
             echo(f"[{done}/{total}] {framework} seed {spec.seed} -> {run_dir}")
-            result = _run_once(framework, spec.config, run_dir)
+            result = _run_once(framework, spec.config, run_dir, options)
             results[framework].append(result)
             echo(
                 f"    {framework} seed {spec.seed}: {result['wall_s']:.1f} s training, "
@@ -130,7 +143,7 @@ def run_trl_suite(
         _evaluate_seed(spec, out, results)
         echo(f"    seed {spec.seed} evaluated in {time.perf_counter() - started:.1f} s")
         # after every seed, so a comparison cut short leaves the summary of its seeds
-        written = write_summary(out, specs[0].config, results, command, planned)
+        written = write_summary(out, specs[0].config, results, command, planned, options=options)
     return written
 
 
@@ -144,19 +157,23 @@ def _check_task(cfg: TrainConfig) -> None:
         )
 
 
-def _run_once(framework: str, cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    """One training run in a fresh process (skipped when a finished one of this config exists)."""
+def _run_once(
+    framework: str, cfg: TrainConfig, run_dir: Path, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One training run in a fresh process (skipped when a finished one of this config, and
+    for TRL of these ``options``, exists)."""
     config = cfg.model_dump(mode="json")
+    options = dict(options or {}) if framework == "trl" else {}
     path = run_dir / RESULT_FILE
     if path.is_file():
         stored = json.loads(path.read_text())
-        if stored["config"] == config:
+        if stored["config"] == config and stored.get("trl_options", {}) == options:
             return stored
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     process = multiprocessing.get_context("spawn").Process(
-        target=_worker, args=(framework, config, str(run_dir))
+        target=_worker, args=(framework, config, str(run_dir), options)
     )
     started = time.perf_counter()
     process.start()
@@ -172,14 +189,17 @@ def _run_once(framework: str, cfg: TrainConfig, run_dir: Path) -> dict[str, Any]
     return result
 
 
-def _worker(framework: str, config: dict[str, Any], run_dir: str) -> None:
-    """Process entry point: train one framework and write ``result.json``."""
+def _worker(framework: str, config: dict[str, Any], run_dir: str, options: dict[str, Any]) -> None:
+    """Process entry point: train one framework and write ``result.json`` (TRL's with the
+    ``GRPOConfig`` ``options`` it ran with)."""
     from anchor_rl.models.loading import quiet_transformers
 
     cfg = build_config(config)
-    train = _train_anchor if framework == "anchor-rl" else _train_trl
     with quiet_transformers():  # loading/saving bars; the training bar stays
-        result = train(cfg, Path(run_dir))
+        if framework == "anchor-rl":
+            result = _train_anchor(cfg, Path(run_dir))
+        else:
+            result = _train_trl(cfg, Path(run_dir), options) | {"trl_options": options}
     result |= {"framework": framework, "config": config, "host": host_info(cfg.device)}
     result["allocator"] = allocator_settings()
     (Path(run_dir) / RESULT_FILE).write_text(json.dumps(result, indent=2))
@@ -227,7 +247,9 @@ def _train_anchor(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _train_trl(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
+def _train_trl(
+    cfg: TrainConfig, run_dir: Path, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     trl = require_trl()
     from transformers.trainer_callback import PrinterCallback
 
@@ -255,7 +277,7 @@ def _train_trl(cfg: TrainConfig, run_dir: Path) -> dict[str, Any]:
     trainer = trl.GRPOTrainer(
         model=policy,
         reward_funcs=reward,
-        args=trl.GRPOConfig(**grpo_config_kwargs(cfg, str(run_dir / "trainer"))),
+        args=trl.GRPOConfig(**grpo_config_kwargs(cfg, str(run_dir / "trainer"), options)),
         train_dataset=task_dataset(task, tokenizer, records),
         processing_class=tokenizer,
         callbacks=[clock.callback(cfg.steps, cfg.log.progress)],

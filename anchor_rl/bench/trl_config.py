@@ -5,9 +5,11 @@ TRL has no equal of them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from anchor_rl.trainer.config import ConfigError, TrainConfig
+from anchor_rl.trainer.presets import parse_override
 
 INSTALL_HINT = 'pip install -e ".[compare]"'
 
@@ -19,6 +21,53 @@ LOSS_TYPES = {
 """anchor-rl ``loss.agg`` -> TRL ``loss_type`` (same normalisation of the token losses)."""
 SCALE_REWARDS = {"grpo": "group", "drgrpo": "none"}
 """anchor-rl ``advantage.estimator`` -> TRL ``scale_rewards``."""
+
+
+OPTION_PREFIX = "trl."
+"""Overrides ``trl.FIELD=VALUE`` of the ``trl`` suite set ``GRPOConfig`` field FIELD for
+TRL's runs only; ``trl.best=true`` adds :data:`BEST_CPU`."""
+
+BEST_CPU: dict[str, Any] = {}
+"""TRL's own settings that make its step faster on a CPU without changing what is trained
+(``trl.best=true``). Empty: none of TRL 1.16's generation and compilation options does
+(docs/results/trl.md, "TRL at its best CPU settings", lists each and what it did)."""
+
+
+def split_trl_options(overrides: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """``overrides`` without the ``trl.`` ones, and those as ``GRPOConfig`` fields for TRL's
+    runs: ``trl.FIELD=VALUE`` sets FIELD (a TOML value: ``trl.cache_implementation=static``,
+    ``trl.transformers_continuous_batching_config={num_blocks=80}``); ``trl.best=true`` adds
+    :data:`BEST_CPU`, where a ``trl.FIELD`` given too wins. ConfigError for a malformed one."""
+    rest: list[str] = []
+    options: dict[str, Any] = {}
+    best = False
+    for text in overrides:
+        key, value = parse_override(text)
+        if not key.startswith(OPTION_PREFIX):
+            rest.append(text)
+            continue
+        name = key[len(OPTION_PREFIX) :]
+        if not name.isidentifier():
+            raise ConfigError(
+                f"{text!r}: a TRL option is trl.FIELD=VALUE, FIELD a GRPOConfig field"
+            )
+        if name == "best":
+            if not isinstance(value, bool):
+                raise ConfigError(f"trl.best takes true or false, got {value!r}")
+            best = value
+        else:
+            options[name] = value
+    return rest, (dict(BEST_CPU) if best else {}) | options
+
+
+def check_trl_options(trl: Any, options: Mapping[str, Any]) -> None:
+    """ConfigError naming each option that is not a field of the installed TRL's ``GRPOConfig``."""
+    fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    if unknown := sorted(set(options) - fields):
+        raise ConfigError(
+            f"not fields of TRL {trl.__version__}'s GRPOConfig: "
+            + ", ".join(f"trl.{name}" for name in unknown)
+        )
 
 
 def require_trl() -> Any:
@@ -45,8 +94,11 @@ def checkpointing_argument() -> str:
     )
 
 
-def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
-    """Keyword arguments of TRL's ``GRPOConfig`` that train like ``cfg``.
+def grpo_config_kwargs(
+    cfg: TrainConfig, output_dir: str, options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of TRL's ``GRPOConfig`` that train like ``cfg``, with ``options``
+    (TRL's own speed settings, :func:`split_trl_options`) added.
 
     One anchor-rl step (P prompts x n responses, ``optim.epochs`` passes of
     ``optim.mini_batches`` optimizer steps, micro-batches of ``optim.micro_batch_size``)
@@ -54,7 +106,8 @@ def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
     with gradient accumulation, reused ``num_iterations`` times, so ``max_steps`` counts
     optimizer steps: ``steps * epochs * mini_batches``.
 
-    Raises ConfigError naming the knob for settings TRL cannot express the same way.
+    Raises ConfigError naming the knob for settings TRL cannot express the same way, and for
+    an option that would replace one of the mapped settings.
     """
     _check_expressible(cfg)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
@@ -118,7 +171,12 @@ def grpo_config_kwargs(cfg: TrainConfig, output_dir: str) -> dict[str, Any]:
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
-    return kwargs
+    if clash := sorted(set(options or {}) & set(kwargs)):
+        raise ConfigError(
+            f"trl.{clash[0]}: the comparison maps this GRPOConfig field from anchor-rl's config "
+            "(an option may only add TRL speed settings)"
+        )
+    return kwargs | dict(options or {})
 
 
 def _check_expressible(cfg: TrainConfig) -> None:

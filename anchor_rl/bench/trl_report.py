@@ -15,10 +15,13 @@ from anchor_rl.bench.trl_config import grpo_config_kwargs
 from anchor_rl.trainer.config import TrainConfig, build_config
 
 RESULT_FILE = "result.json"
-RUN_KEYS = ("config", "steps", "wall_s", "process_s", "memory", "eval", "allocator")
+RUN_KEYS = (
+    "config", "steps", "wall_s", "process_s", "memory", "eval", "allocator", "trl_options"
+)  # fmt: skip
 """What the summary keeps of each run's ``result.json`` (``process_s``: the run's whole
 process, start to exit, as the suite timed it; ``allocator``: how its glibc allocator was
-set, ``trl_compare.allocator_settings``; a stored result may lack either)."""
+set, ``trl_compare.allocator_settings``; ``trl_options``: the ``GRPOConfig`` fields TRL's run
+added to the mapping; a stored result may lack any of the three)."""
 FRAMEWORKS = ("anchor-rl", "trl")
 
 
@@ -201,11 +204,13 @@ def write_summary(
     command: str,
     planned: Sequence[int],
     note: str = "",
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Summarise the seeds both trainers finished (of the ``planned`` ones)."""
+    """Summarise the seeds both trainers finished (of the ``planned`` ones); ``options``:
+    the ``GRPOConfig`` fields TRL's runs added to the mapping (``trl.FIELD=VALUE``)."""
     results, alone = _paired(results)
     summary = summarise(results)
-    mapped = grpo_config_kwargs(cfg, "")
+    mapped = grpo_config_kwargs(cfg, "", options)
     host = results["trl"][0]["host"]
     payload = {
         "suite": "trl",
@@ -217,6 +222,7 @@ def write_summary(
         "unpaired": alone,
         "note": note,
         "settings": _settings(cfg),
+        "trl_options": dict(options or {}),
         "grpo_config": {k: v for k, v in mapped.items() if k != "output_dir"},
         "differences": [list(d) for d in DIFFERENCES],
         "figures": FIGURES,
@@ -254,7 +260,8 @@ def rewrite_summary(
     if planned is None:
         planned = {r["config"]["seed"] for runs in results.values() for r in runs}
     cfg = build_config(paired["anchor-rl"][0]["config"])
-    return write_summary(out, cfg, results, command, sorted(planned), note)
+    options = paired["trl"][0].get("trl_options", {})
+    return write_summary(out, cfg, results, command, sorted(planned), note, options)
 
 
 def _paired(
@@ -319,6 +326,13 @@ def _decode_note(decode: str) -> str:
     return f" anchor-rl samples with `rollout.engine_args.decode={decode}`."
 
 
+def _options_note(options: dict[str, Any]) -> str:
+    """What the summary says of TRL's own speed settings, where its runs had some."""
+    if not options:
+        return ""
+    return " TRL also ran with " + ", ".join(f"`{k}={v!r}`" for k, v in options.items()) + "."
+
+
 def partial_note(payload: dict[str, Any]) -> list[str]:
     """The payload's note, and a paragraph when fewer seeds were summarised than planned."""
     planned = payload.get("seeds_planned", payload["seeds"])
@@ -356,7 +370,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "Held-out accuracy: "
         f"{s['eval_prompts']} test prompts, temperature {s['eval_temperature']}, the same "
         "`evaluate_model` call for both final models."
-        + _decode_note(s.get("anchor_rl_decode", "auto")),
+        + _decode_note(s.get("anchor_rl_decode", "auto"))
+        + _options_note(payload.get("trl_options", {})),
         "",
         *partial_note(payload),
         "Mean ± half-width of the 95% Student-t interval over seeds; the last two columns "

@@ -210,9 +210,16 @@ def test_one_step_of_both_trainers(tmp_path) -> None:
 
     from anchor_rl.bench.trl_compare import run_trl_suite
 
-    result = run_trl_suite(BenchArgs(tmp_path, seeds=[0], profile="quick", echo=lambda _: None))
+    # with one of TRL's own options, which reaches TRL's runs only
+    args = BenchArgs(tmp_path, seeds=[0], profile="quick", echo=lambda _: None,
+                     overrides=["trl.cache_implementation=static"])  # fmt: skip
+    result = run_trl_suite(args)
     payload = json.loads(result["summary_json"].read_text())
     assert payload["trl_version"] == trl.__version__
+    assert payload["trl_options"] == {"cache_implementation": "static"}
+    assert payload["runs"]["trl"][0]["trl_options"] == {"cache_implementation": "static"}
+    assert "trl_options" not in payload["runs"]["anchor-rl"][0]
+    assert "trl.cache_implementation=static" in payload["command"]
     for framework in ("anchor-rl", "trl"):
         (run,) = payload["runs"][framework]
         assert len(run["steps"]) == 1 and run["steps"][0]["tokens"] > 0
@@ -290,3 +297,89 @@ def test_a_comparison_cut_short_is_summarised_over_the_seeds_both_trainers_finis
     assert "**Partial**: 2 of the 3 planned seeds (0, 1, 2)" in text and note in text
     assert "left out for want of their pair: anchor-rl seed 2" in text
     assert "Command: `anchor-rl bench trl --seeds 0,1,2`" in text
+
+
+def test_trl_options_are_split_from_the_overrides_and_best_adds_the_cpu_settings(
+    monkeypatch,
+) -> None:
+    from anchor_rl.bench import trl_config
+    from anchor_rl.bench.trl_config import split_trl_options
+
+    given = ["model=sft:tiny", "trl.cache_implementation=static", "optim.lr=1e-5"]
+    assert split_trl_options(given) == (
+        ["model=sft:tiny", "optim.lr=1e-5"],
+        {"cache_implementation": "static"},
+    )
+    assert split_trl_options(["trl.best=false"]) == ([], {})
+    monkeypatch.setattr(
+        trl_config, "BEST_CPU", {"cache_implementation": "static", "top_entropy_quantile": 1.0}
+    )
+    rest, options = split_trl_options(
+        [
+            "trl.best=true",
+            "trl.cache_implementation=dynamic",
+            "trl.generation_kwargs={use_cache=true}",
+        ]
+    )
+    # best adds every CPU setting; a field named as well wins; TOML tables become dicts
+    assert rest == [] and options == {
+        "cache_implementation": "dynamic",
+        "top_entropy_quantile": 1.0,
+        "generation_kwargs": {"use_cache": True},
+    }
+    with pytest.raises(ConfigError, match="trl.best takes true or false"):
+        split_trl_options(["trl.best=3"])
+    with pytest.raises(ConfigError, match="trl.FIELD=VALUE"):
+        split_trl_options(["trl.a.b=1"])
+
+
+def test_trl_options_reach_grpo_config_beside_the_mapping(tmp_path) -> None:
+    from anchor_rl.bench.trl_config import check_trl_options
+
+    trl = require_trl()
+    cfg = load_config("grpo", ["optim.autocast=bf16", "rollout.engine_args.precision=bf16"])
+    options = {
+        "cache_implementation": "static",
+        "use_transformers_continuous_batching": True,
+        "transformers_continuous_batching_config": {"num_blocks": 80},
+    }
+    check_trl_options(trl, options)
+    plain = grpo_config_kwargs(cfg, str(tmp_path))
+    kwargs = grpo_config_kwargs(cfg, str(tmp_path), options)
+    assert kwargs == plain | options  # the mapped fields stay as they are
+    args = trl.GRPOConfig(**kwargs)
+    assert args.cache_implementation == "static"
+    assert args.use_transformers_continuous_batching is True
+    assert args.transformers_continuous_batching_config == {"num_blocks": 80}
+    assert args.bf16 is True and args.beta == cfg.kl.coef
+    assert trl.GRPOConfig(**plain).cache_implementation is None
+    # an option may not replace a mapped setting, nor name a field TRL does not have
+    with pytest.raises(ConfigError, match="trl.beta: the comparison maps"):
+        grpo_config_kwargs(cfg, "o", {"beta": 0.0})
+    with pytest.raises(ConfigError, match="trl.no_such_field"):
+        check_trl_options(trl, {"no_such_field": 1, "cache_implementation": "static"})
+
+
+def test_the_summary_names_the_options_trl_ran_with(tmp_path) -> None:
+    from anchor_rl.bench.runner import plan
+    from anchor_rl.bench.trl_compare import TRL_SUITE
+    from anchor_rl.bench.trl_report import rewrite_summary
+
+    (spec,) = plan(TRL_SUITE, tmp_path, seeds=[0])
+    host = {"device": "cpu", "device_name": "test", "torch_threads": 1, "versions": {}}
+    options = {"cache_implementation": "static"}
+    for framework in ("anchor-rl", "trl"):
+        run = _result([1.0, 1.0], [10.0, 10.0], [0.0, 0.0], 500.0, 0.5)
+        run |= {"config": spec.config.model_dump(mode="json"), "host": host, "version": "1.0"}
+        run |= {"wall_s": 1.0, "framework": framework}
+        if framework == "trl":
+            run["trl_options"] = options
+        folder = tmp_path / framework / "seed0"
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps(run))
+    result = rewrite_summary(tmp_path, "anchor-rl bench trl trl.cache_implementation=static")
+    payload = json.loads(result["summary_json"].read_text())
+    assert payload["trl_options"] == options
+    assert payload["grpo_config"]["cache_implementation"] == "static"
+    assert payload["runs"]["trl"][0]["trl_options"] == options
+    assert "TRL also ran with `cache_implementation='static'`" in result["summary_md"].read_text()
