@@ -185,18 +185,21 @@ def _sum_hook(state, bucket):  # unannotated on purpose: see the docstring
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def shard_model(model: torch.nn.Module, world: int) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, world: int, device: torch.device | None = None
+) -> torch.nn.Module:
     """``model`` sharded in place over the ``world`` ranks of the default process group with
     FSDP2: each decoder layer (the classes the Hugging Face models in it name in
     ``_no_split_modules``: the policy itself, or a critic's backbone) is its own unit, the
     root holds the rest (embeddings, tied output layer, final norm, a value head);
     gradients are summed over the ranks, not averaged. Every rank must call it on the same
-    model."""
+    model. ``device``: where the shards will live (the mesh's device type), needed when
+    ``model`` is on the meta device; default the parameters' device."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    device = next(model.parameters()).device.type
-    mesh = init_device_mesh(device, (world,))
+    kind = (device or next(model.parameters()).device).type
+    mesh = init_device_mesh(kind, (world,))
     units = {
         name
         for module in model.modules()

@@ -20,8 +20,10 @@ by rank 0 alone, with the run's message; the other ranks skip the step and wait 
 0's stop (:func:`_learner`).
 
 With ``cluster.learner_sharding = "fsdp"`` every rank, rank 0 included, trains an FSDP2
-shard of the policy (``data_parallel.shard_model``) with its own shard of the AdamW state,
-loaded from the run's optimiser through torch.distributed.checkpoint's full state dicts.
+shard of the policy (``data_parallel.shard_model``) with its own shard of the AdamW state.
+Each rank builds its copy on the meta device, shards it, and loads its shards of rank 0's
+weights and optimiser state, which rank 0 broadcasts one tensor at a time
+(:mod:`anchor_rl.cluster.shards`): ranks 1..N-1 never hold the whole model.
 Rank 0 keeps the run's whole policy beside its shard, for the rollouts, the scoring and
 the checkpoints: after each update the ranks gather the new weights into it, and before a
 checkpoint (:meth:`LearnerGroup.consolidate`) the optimiser state into the run's
@@ -30,13 +32,12 @@ optimiser, so a checkpoint is the same consolidated state as without sharding. A
 a shard of it, and rank 0 gathers its weights into the run's critic after each critic
 update and its AdamW state before each checkpoint. A LoRA run's shards split the frozen base
 weights and the adapters alike; the optimisers step the trainable parameters alone, and
-rank 0 gathers only those (:func:`_full_weights`), so the run's policy keeps its base tensors,
+rank 0 gathers only those (:func:`full_weights`), so the run's policy keeps its base tensors,
 which its reference (``models.lora.lora_base``) shares.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import socket
@@ -56,6 +57,16 @@ from torch.distributed import distributed_c10d
 from anchor_rl.allocator import keep_freed_memory
 from anchor_rl.batch import RolloutBatch
 from anchor_rl.cluster.data_parallel import DataParallel, placement, shard_model
+from anchor_rl.cluster.shards import (
+    full_optimizer_state,
+    full_weights,
+    load_full_optimizer_state,
+    load_optimizer_shards,
+    load_shards,
+    load_weights,
+    meta_copy,
+    unsaved_buffers,
+)
 from anchor_rl.errors import AnchorRLError, NonFiniteError
 from anchor_rl.models import checkpointing
 from anchor_rl.models.critic import Critic
@@ -159,34 +170,28 @@ class LearnerGroup:
         distributed_c10d._set_pg_timeout(TIMEOUT)
         distributed_c10d._get_default_store().set_timeout(TIMEOUT)
         sharded = cfg.cluster.learner_sharding == "fsdp"
-        state = {
-            "weights": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
-            # sharded: by parameter name, which the shards' optimisers load
-            "optimizer": (
-                _full_optimizer_state(policy, optimizer) if sharded else optimizer.state_dict()
-            ),
-            "scheduler": scheduler.state_dict(),
-            "critic": None,
-        }
-        if critic is not None:
-            state["critic"] = {
-                "weights": {k: v.detach().cpu() for k, v in critic[0].state_dict().items()},
-                "optimizer": (
-                    _full_optimizer_state(*critic) if sharded else critic[1].state_dict()
-                ),
-            }
+        # replicas get the whole state in this message; shards get what no state dict holds
+        # here, and their tensors afterwards, one at a time (_sharded_learner)
+        state = _start_state(policy, optimizer, sharded)
+        state["scheduler"] = scheduler.state_dict()
+        state["critic"] = None if critic is None else _start_state(*critic, sharded)
         dist.broadcast_object_list([state], src=0)
         self.cfg, self.policy, self.optimizer, self.scheduler = cfg, policy, optimizer, scheduler
         self.critic = critic
         self.dp = DataParallel(0, world, sharded, where.device)
         # what the updates train: the run's own policy and critic, or this rank's shards of
-        # copies of them (rank 0 keeps the whole ones for the loop)
+        # them, built on the meta device and loaded from them (rank 0 keeps the whole ones
+        # for the loop)
         self.trained = (policy, optimizer, scheduler)
         self.trained_critic = critic
         if sharded:
-            self.trained = _sharded_learner(cfg, copy.deepcopy(policy), state)
+            self.trained = _sharded_learner(
+                cfg, meta_copy(policy), state, where.device, (policy, optimizer)
+            )
             if critic is not None:
-                self.trained_critic = _sharded_critic(cfg, copy.deepcopy(critic[0]), state)
+                self.trained_critic = _sharded_critic(
+                    cfg, meta_copy(critic[0]), state, where.device, critic
+                )
 
     def update(
         self,
@@ -215,7 +220,7 @@ class LearnerGroup:
                 adv, correct, self.cfg, None, schedule=schedule, dp=self.dp,
             )  # fmt: skip
             if self.dp.sharded:  # the new weights into the run's policy; its schedule's step
-                _load_weights(self.policy, _full_weights(model))
+                load_weights(self.policy, full_weights(model))
                 self.scheduler.load_state_dict(scheduler.state_dict())
             return metrics
         except RuntimeError as exc:
@@ -229,14 +234,12 @@ class LearnerGroup:
         try:
             dist.broadcast_object_list([("consolidate", None)], src=0)
             model, optimizer, _ = self.trained
-            _load_full_optimizer_state(
-                self.policy, self.optimizer, _full_optimizer_state(model, optimizer)
+            load_full_optimizer_state(
+                self.policy, self.optimizer, full_optimizer_state(model, optimizer)
             )
             if self.critic is not None:
                 assert self.trained_critic is not None
-                _load_full_optimizer_state(
-                    *self.critic, _full_optimizer_state(*self.trained_critic)
-                )
+                load_full_optimizer_state(*self.critic, full_optimizer_state(*self.trained_critic))
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "a checkpoint's consolidation")) from exc
 
@@ -259,7 +262,7 @@ class LearnerGroup:
             assert self.trained_critic is not None
             fit = _fit_critic(*self.trained_critic, payload, self.cfg, self.dp)
             if self.dp.sharded:  # the new weights into the run's critic
-                _load_weights(self.critic[0], _full_weights(self.trained_critic[0]))
+                load_weights(self.critic[0], full_weights(self.trained_critic[0]))
             return fit
         except RuntimeError as exc:
             raise AnchorRLError(self._stopped(exc, "the critic's update")) from exc
@@ -409,8 +412,13 @@ def _learner(
         cfg = build_config(table, lora_context(lora_file, scratch))
     where = placement(cfg.device, rank, world, local_rank=rank)  # spawned on this machine
     _use_device(where.device)
-    model = AutoModelForCausalLM.from_config(model_config).to(where.device)
-    model = apply_lora(model, cfg.lora, cfg.seed)  # rank 0's tensors are loaded below
+    sharded = cfg.cluster.learner_sharding == "fsdp"
+    if sharded:  # on the meta device (no storage): this rank never holds the whole model;
+        with torch.device("meta"):  # its shards are loaded from rank 0's (_sharded_learner)
+            model = apply_lora(AutoModelForCausalLM.from_config(model_config), cfg.lora, cfg.seed)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config).to(where.device)
+        model = apply_lora(model, cfg.lora, cfg.seed)  # rank 0's tensors are loaded below
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.optim.activation_checkpointing:
@@ -422,8 +430,8 @@ def _learner(
     received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0)
     state = received[0]
-    model.load_state_dict(state["weights"])
-    sharded = cfg.cluster.learner_sharding == "fsdp"
+    if not sharded:
+        model.load_state_dict(state.pop("weights"))
     value_model = None
     if state["critic"] is not None:  # a replica on this rank's policy (shared mode: its body),
         from anchor_rl.trainer.critic import new_critic  # built before the policy is sharded
@@ -431,12 +439,13 @@ def _learner(
         value_model = new_critic(cfg, model)
         if cfg.disable_dropout:
             disable_dropout(value_model)
-        value_model.load_state_dict(state["critic"]["weights"])
+        if not sharded:
+            value_model.load_state_dict(state["critic"].pop("weights"))
     critic = None
     if sharded:  # in rank 0's order: the policy's shard, then the critic's
-        model, optimizer, scheduler = _sharded_learner(cfg, model, state)
+        model, optimizer, scheduler = _sharded_learner(cfg, model, state, where.device)
         if value_model is not None:
-            critic = _sharded_critic(cfg, value_model, state)
+            critic = _sharded_critic(cfg, value_model, state, where.device)
     else:
         optimizer, scheduler = make_optimizer(cfg, trainable_parameters(model))
         optimizer.load_state_dict(state["optimizer"])
@@ -447,6 +456,7 @@ def _learner(
             value_optimizer = critic_optimizer(cfg, value_model)
             value_optimizer.load_state_dict(state["critic"]["optimizer"])
             critic = (value_model, value_optimizer)
+    del received, state  # the start message (a replica's whole optimiser state), loaded
     dp = DataParallel(rank, world, sharded, where.device)
     while True:
         message: list[Any] = [None]
@@ -459,12 +469,12 @@ def _learner(
                 assert critic is not None
                 _fit_critic(*critic, payload, cfg, dp)
                 if sharded:  # rank 0 gathers the new weights
-                    _full_weights(critic[0])
+                    full_weights(critic[0])
                 continue
             if kind == "consolidate":  # rank 0 gathers the optimiser state
-                _full_optimizer_state(model, optimizer)
+                full_optimizer_state(model, optimizer)
                 if critic is not None:
-                    _full_optimizer_state(*critic)
+                    full_optimizer_state(*critic)
                 continue
             ppo_update(
                 model, optimizer, scheduler, payload["batch"], payload["mask"],
@@ -472,7 +482,7 @@ def _learner(
                 cfg, None, schedule=payload["schedule"], dp=dp,
             )  # fmt: skip
             if sharded:  # rank 0 gathers the new weights
-                _full_weights(model)
+                full_weights(model)
         except NonFiniteError:
             # A divergence shows on every rank at the same check (the gradients are
             # all-reduced, the policy update's figures summed over the ranks), so rank 0
@@ -498,94 +508,60 @@ def _use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def _start_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool
+) -> dict[str, Any]:
+    """What rank 0 sends the ranks of ``model`` and its ``optimizer`` as they start: for
+    replicas their whole state dicts; for shards only the buffers no state dict holds (e.g.
+    rotary frequency tables: :func:`unsaved_buffers`) and whether the optimiser has state,
+    the tensors following one at a time as the shards load (:func:`load_shards`)."""
+    if not sharded:
+        return {
+            "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+        }
+    return {"buffers": unsaved_buffers(model), "optimizer": bool(optimizer.state)}
+
+
 def _sharded_learner(
-    cfg: TrainConfig, model: torch.nn.Module, state: dict[str, Any]
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    device: torch.device,
+    whole: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """This rank's FSDP2 shard of ``model`` (the whole policy, loaded) with its AdamW shard
-    and schedule, restored from ``state`` (the optimiser by parameter name). Collective."""
-    shard_model(model, cfg.cluster.learners)
+    """This rank's FSDP2 shard of ``model`` (the policy, built on the meta device) on
+    ``device``, loaded with rank 0's weights, with its AdamW shard (rank 0's state, by
+    parameter name) and schedule (``state``: rank 0's start message, :func:`_start_state`;
+    ``whole``: on rank 0, the run's policy and optimiser). Collective."""
+    shard_model(model, cfg.cluster.learners, device)
+    load_shards(model, device, state["buffers"], None if whole is None else whole[0])
     optimizer, scheduler = make_optimizer(cfg, trainable_parameters(model))
-    _load_full_optimizer_state(model, optimizer, state["optimizer"])
+    load_optimizer_shards(model, optimizer, state["optimizer"], whole)
     scheduler.load_state_dict(state["scheduler"])
     return model, optimizer, scheduler
 
 
 def _sharded_critic(
-    cfg: TrainConfig, critic: Critic, state: dict[str, Any]
+    cfg: TrainConfig,
+    critic: Critic,
+    state: dict[str, Any],
+    device: torch.device,
+    whole: tuple[Critic, torch.optim.Optimizer] | None = None,
 ) -> tuple[Critic, torch.optim.Optimizer]:
-    """This rank's FSDP2 shard of ``critic`` (a whole separate critic, loaded) with its
-    AdamW shard, restored from ``state["critic"]`` (the optimiser by parameter name).
-    Collective."""
+    """This rank's FSDP2 shard of ``critic`` (a separate critic, built on the meta device) on
+    ``device``, loaded with rank 0's weights, with its AdamW shard, as
+    :func:`_sharded_learner` (``state["critic"]``; ``whole``: on rank 0, the run's critic and
+    its optimiser). Collective."""
     from anchor_rl.trainer.critic import critic_optimizer
 
     critic.shared_prefix = False  # the shared-prefix forward calls parts of FSDP's units
-    shard_model(critic, cfg.cluster.learners)
+    shard_model(critic, cfg.cluster.learners, device)
+    sent = state["critic"]
+    load_shards(critic, device, sent["buffers"], None if whole is None else whole[0])
     optimizer = critic_optimizer(cfg, critic)
-    _load_full_optimizer_state(critic, optimizer, state["critic"]["optimizer"])
+    load_optimizer_shards(critic, optimizer, sent["optimizer"], whole)
     return critic, optimizer
-
-
-def _full_weights(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The sharded ``model``'s whole state dict, on rank 0's CPU (empty elsewhere). Collective.
-
-    A model with frozen parameters (a LoRA model's base weights) gathers its trainable ones
-    alone, by name (the adapters; a critic's head), not its buffers nor frozen weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    named = list(model.named_parameters())
-    if all(p.requires_grad for _, p in named):  # the same on every rank
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
-    state = {}
-    for name, param in named:  # in the same order on every rank
-        if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if dist.get_rank() == 0:
-                state[name] = full.detach().cpu()
-    return state
-
-
-def _load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy ``state`` (:func:`_full_weights`) into rank 0's whole ``model`` in place; its
-    frozen parameters (a LoRA model's base, shared with the reference) stay as they are."""
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    frozen |= {n for n, _ in model.named_buffers()}  # not gathered either; never trained
-    result = model.load_state_dict(state, strict=False)
-    missing = [name for name in result.missing_keys if name not in frozen]
-    if missing or result.unexpected_keys:  # not a RuntimeError: no rank stopped
-        raise AnchorRLError(
-            f"the gathered weights do not fit the run's model (missing {missing[:3]}, "
-            f"unexpected {list(result.unexpected_keys)[:3]})"
-        )
-
-
-def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer``'s whole state keyed by parameter name (a sharded model's: on rank 0's CPU,
-    empty elsewhere; collective). An optimiser that has not stepped has no state: returned
-    empty as it is (torch.distributed.checkpoint would take a zero step to create one, which
-    counts in AdamW's bias correction)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    if not optimizer.state:  # the same on every rank: the ranks step together
-        return {"state": {}, "param_groups": []}
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def _load_full_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
-) -> None:
-    """Load a by-name optimiser state (:func:`_full_optimizer_state`) into ``optimizer``, of a
-    sharded ``model`` (collective) or a whole one; an empty state (no step taken) leaves a
-    fresh optimiser as it is."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    if state["state"]:
-        set_optimizer_state_dict(
-            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
-        )
 
 
 def _fit_critic(

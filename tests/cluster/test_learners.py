@@ -4,6 +4,7 @@ the run clearly."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,10 +22,12 @@ from anchor_rl.cluster import learners as learners_module
 from anchor_rl.cluster.learners import LearnerGroup
 from anchor_rl.errors import AnchorRLError
 from anchor_rl.models.factory import build_model
+from anchor_rl.models.lora import apply_lora, trainable_parameters
 from anchor_rl.models.scoring import ScoringForward, token_logprobs
 from anchor_rl.models.tokenizer import build_tokenizer
 from anchor_rl.trainer.checkpoint import list_checkpoints
 from anchor_rl.trainer.config import ConfigError, load_config
+from anchor_rl.trainer.critic import critic_optimizer, new_critic
 from anchor_rl.trainer.logging import read_metrics
 from anchor_rl.trainer.loop import train
 from anchor_rl.trainer.run import resume_run, start_run
@@ -200,6 +203,37 @@ def test_a_run_on_two_learners_resumes_on_one(sharding, parity, tiny, tmp_path, 
     assert [r["step"] for r in read_metrics(again.run_dir)] == [1, 2, 3, 4]
     saved = torch.load(list_checkpoints(again.run_dir)[-1] / "optimizer.pt", weights_only=True)
     assert all(float(entry["step"]) == 4 for entry in saved["state"].values())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_fsdp_rank_never_holds_the_whole_model(lora, tmp_path, one_thread, monkeypatch) -> None:
+    """Rank 1 of 2 FSDP learners builds the policy and the critic on the meta device, shards
+    them, and loads rank 0's weights one tensor at a time: the tensors it holds while it starts
+    (counted as operations create them, at their current size) never exceed half of the two
+    models plus a few of their largest tensors (the one broadcast whole, and temporaries of
+    its shard), and once set up it holds about half (a LoRA run: of the frozen base and of the
+    adapters alike). A rank that built the whole model holds all of it at its start."""
+    import learner_memory
+
+    overrides = ["cluster.learners=2", "cluster.learner_sharding=fsdp", "optim.padding_free=off",
+                 "cluster.threads_per_learner=1", *(["lora.rank=4"] if lora else [])]  # fmt: skip
+    cfg = load_config("ppo", overrides)
+    policy = apply_lora(build_model("tiny", build_tokenizer(), seed=0), cfg.lora, cfg.seed)
+    opt, sched = make_optimizer(cfg, trainable_parameters(policy))
+    value = new_critic(cfg, policy)  # separate: a copy of the body (LoRA: the base's, shared)
+    monkeypatch.setattr(learners_module, "_learner_main", learner_memory.measured_learner)
+    monkeypatch.setenv(learner_memory.REPORT, str(tmp_path / "rank1.json"))
+    group = LearnerGroup(cfg, policy, opt, sched, (value, critic_optimizer(cfg, value)))
+    group.close()
+    held = json.loads((tmp_path / "rank1.json").read_text())
+    # what the ranks shard: each model's tensors (a LoRA critic's base is sharded on its own)
+    tensors = [t for m in (policy, value) for t in {*m.parameters(), *m.buffers()}]
+    whole = sum(t.numel() * t.element_size() for t in tensors)
+    largest = max(t.numel() * t.element_size() for t in tensors)
+    assert largest < whole / 20  # the bound below is well under the whole
+    assert held["largest"] <= largest
+    assert held["peak"] <= whole / 2 + 3 * largest, held
+    assert 0.45 * whole <= held["end"] <= 0.55 * whole, held
 
 
 @pytest.mark.slow

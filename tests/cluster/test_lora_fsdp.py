@@ -68,9 +68,9 @@ def test_a_lora_ppo_run_on_two_fsdp_learners_matches_one(
     mini-batches on one learner and on 2 FSDP shards of the policy and of the critic."""
     policies, critics = _spy(monkeypatch, "_sharded_learner"), _spy(monkeypatch, "_sharded_critic")
     gathered: list[set[str]] = []  # the names rank 0 gathers from the shards after an update
-    real = learners_module._full_weights
+    real = learners_module.full_weights
     monkeypatch.setattr(
-        learners_module, "_full_weights", lambda m: gathered.append(set(s := real(m))) or s
+        learners_module, "full_weights", lambda m: gathered.append(set(s := real(m))) or s
     )
     cfg = [*_base(tiny, 3), "kl.coef=0.04", "critic.lr=1e-2"]
     one = train(start_run(load_config("ppo", cfg), tmp_path / "one"))
