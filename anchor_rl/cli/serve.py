@@ -43,7 +43,8 @@ def serve_command(
     adapter: AdapterOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
-    """Serve a model: /v1/completions, /v1/chat/completions, /v1/models, /v1/weights, /health.
+    """Serve a model: /v1/completions, /v1/chat/completions, /v1/models, /v1/weights, /health,
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters loaded at run time).
 
     Sampling is the built-in engine's, per-request seeds included: a client that sends the
     seeds of its requests (the `seeds` field; the http engine does) gets exactly the tokens

@@ -23,6 +23,13 @@ Weights: :meth:`HTTPEngine.sync_weights` saves the state dict as a safetensors f
 posts its path to ``POST /v1/weights``, the reload endpoint of ``anchor-rl serve`` (the
 server must see the file). OpenAI-compatible servers have no common reload API.
 
+LoRA policies (``lora_sync``): where the server has vLLM's runtime LoRA endpoints
+(``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: vLLM started with
+``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, and ``anchor-rl serve``),
+a sync writes only the adapter (a PEFT adapter directory), loads it under a new name, unloads
+the previous one and samples with ``model=<that name>``; elsewhere it sends the merged
+weights. vLLM refuses to load a name that is loaded already, hence a new name per sync.
+
 The requests go through :class:`~anchor_rl.rollout.http_client.Client` (retries, back-off,
 the timeout, the server's errors).
 """
@@ -47,6 +54,7 @@ from anchor_rl.models.tokenizer import encode_prompt, id_count
 from anchor_rl.rollout.agent import Response
 from anchor_rl.rollout.engine import Engine, Request, pack, register_engine, request_seed
 from anchor_rl.rollout.http_client import Client, ServerError, ServerInfo, base_url, parse_http_spec
+from anchor_rl.rollout.http_lora import AdapterSync, LoraSync
 from anchor_rl.rollout.sampling import EOS, StopSet
 from anchor_rl.rollout.types import SamplingParams
 from anchor_rl.tools.base import Tool
@@ -83,12 +91,17 @@ class HTTPEngine:
     extra_body: merged into every completions request (after the defaults).
     check_text: with token ids, check that they decode to the server's text (a server with
         another tokenizer fails here rather than training on wrong ids).
-    weights_dir: where :meth:`sync_weights` writes its safetensors file (a directory the
-        server can read; default: a fresh temporary directory, removed with the engine).
+    weights_dir: where :meth:`sync_weights` writes its safetensors file or adapter directory
+        (a directory the server can read; default: a fresh temporary directory, removed with
+        the engine).
     vocab_size: the token ids a response may hold: the policy's embedding rows (the ``http``
         factory passes them; a model's embedding is often padded past its tokenizer, and a
         sampler may draw those ids); None: what ``anchor-rl serve`` reports, else the
         tokenizer's length. A larger id is a :class:`TokenMismatchError`.
+    lora_sync: how a LoRA policy's weights are synced
+        (:data:`~anchor_rl.rollout.http_lora.LORA_SYNC`): ``auto`` sends only the adapter
+        where the server has the runtime LoRA endpoints, else the merged weights; ``adapter``
+        fails (:class:`ServerError`) where it has not; ``merged`` always merges.
 
     Shapes: ``rollout`` returns the usual ``RolloutBatch`` (B requests, T the longest response).
     """
@@ -110,6 +123,7 @@ class HTTPEngine:
         check_text: bool = True,
         weights_dir: str | None = None,
         vocab_size: int | None = None,
+        lora_sync: LoraSync = "auto",
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (load_policy sets one)")
@@ -132,7 +146,13 @@ class HTTPEngine:
         self._lock = threading.Lock()
         self._revision: str | None = None  # the server revision our last sync_weights made
         self._weights: Path | None = None
+        self.lora = AdapterSync(self, lora_sync)
         self.syncs = 0
+        self.sync_mode: str | None = None
+        """How the last :meth:`sync_weights` went: ``adapter`` or ``merged``."""
+        self.sync_bytes = 0
+        """The bytes the last :meth:`sync_weights` wrote for the server to read (an adapter
+        sync that first loads the base model into ``anchor-rl serve`` counts both)."""
 
     # -- the server ---------------------------------------------------------------------
 
@@ -194,9 +214,28 @@ class HTTPEngine:
         return pack(responses, rows, group, tok)
 
     def sync_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Save ``state`` as a safetensors file and have the server load it (``POST
-        /v1/weights``, ``anchor-rl serve`` only; the server must be able to read the file).
-        Tensors sharing storage (tied embeddings) are written once each, as copies."""
+        """Have the server sample with ``state``.
+
+        A LoRA policy's merged weights (``sampling_state``'s
+        :class:`~anchor_rl.models.lora.MergedState`) go as the adapter alone where
+        ``lora_sync`` allows it and the server has the runtime LoRA endpoints: a PEFT adapter
+        directory loaded under a new name (``POST /v1/load_lora_adapter``), the previous
+        name unloaded, later completions asking for the new one. Otherwise ``state`` is saved
+        as a safetensors file the server loads (``POST /v1/weights``, ``anchor-rl serve``
+        only). The server must be able to read the file or directory. Tensors sharing
+        storage (tied embeddings) are written once each, as copies."""
+        self.sync_bytes = 0
+        policy = self.lora.policy_of(state)
+        if policy is not None:
+            self.lora.sync(policy, self.syncs)
+            self.sync_mode = "adapter"
+        else:
+            self._sync_state(state)
+            self.lora.name = None  # sample the served model itself
+            self.sync_mode = "merged"
+        self.syncs += 1
+
+    def _sync_state(self, state: Mapping[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         path = self._weights_path()
@@ -210,9 +249,9 @@ class HTTPEngine:
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t.contiguous()
         save_file(tensors, str(path))
+        self.sync_bytes += path.stat().st_size
         self._weights = path
         self._post_weights(path)
-        self.syncs += 1
 
     def close(self) -> None:
         """Close the connections and remove the temporary weights folder this engine made,
@@ -225,13 +264,22 @@ class HTTPEngine:
 
     # -- weights --------------------------------------------------------------------------
 
-    def _weights_path(self) -> Path:
+    def _folder(self) -> Path:
         if self._weights_dir is None:
             folder = tempfile.mkdtemp(prefix="anchor-rl-weights-")
             self._remove_weights = weakref.finalize(self, shutil.rmtree, folder, True)
             self._weights_dir = folder
         Path(self._weights_dir).mkdir(parents=True, exist_ok=True)
-        return (Path(self._weights_dir) / "weights.safetensors").resolve()
+        return Path(self._weights_dir).resolve()
+
+    def _weights_path(self) -> Path:
+        return self._folder() / "weights.safetensors"
+
+    @property
+    def sampling_model(self) -> str:
+        """The ``model`` field of completions: the loaded adapter's name after an adapter
+        sync, else the served model's."""
+        return self.lora.name or self.model
 
     def _post_weights(self, path: Path) -> None:
         try:
@@ -250,7 +298,10 @@ class HTTPEngine:
     def _ensure_weights(self) -> None:
         """After a sync, make sure the server still holds our weights: another engine (say, a
         reference's) may have loaded its own since (``GET /v1/weights`` reports the revision);
-        if so, load ours again."""
+        if so, load ours again (after an adapter sync: the policy's base model)."""
+        if self.lora.name is not None:
+            self.lora.ensure_base()
+            return
         if self._weights is None or self._revision is None:
             return
         current = self.client.request("GET", "/weights")
@@ -306,7 +357,7 @@ class HTTPEngine:
     ) -> list[TurnResult]:
         """One generation turn of every row: (ids, log-probs, finish_reason) per row."""
         common: dict[str, Any] = {
-            "model": self.model,
+            "model": self.sampling_model,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "n": 1,
@@ -496,15 +547,17 @@ def _http_engine(
     concurrency: int = 16,
     sync_on_start: bool = True,
     weights_dir: str | None = None,
+    lora_sync: LoraSync = "auto",
 ) -> Engine:
     """An :class:`HTTPEngine` on ``url`` with the learner's tokenizer. ``sync_on_start``
-    loads the learner's current weights into the server first (``anchor-rl serve`` only), so
-    the server samples the policy whatever it was started with."""
+    loads the learner's current weights into the server first (``anchor-rl serve``, or for a
+    LoRA policy any server with the runtime LoRA endpoints), so the server samples the policy
+    whatever it was started with. ``lora_sync``: see :class:`HTTPEngine`."""
     engine = HTTPEngine(
         tokenizer, url, model, timeout=timeout, retries=retries, api_key=api_key,
         batched=batched, max_batch=max_batch, concurrency=concurrency, weights_dir=weights_dir,
-        vocab_size=id_count(policy, tokenizer),
+        vocab_size=id_count(policy, tokenizer), lora_sync=lora_sync,
     )  # fmt: skip
     if sync_on_start:
-        engine.sync_weights(sampling_state(policy))  # a LoRA policy: merged weights
+        engine.sync_weights(sampling_state(policy))  # a LoRA policy: its adapter, or merged
     return engine

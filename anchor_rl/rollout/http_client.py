@@ -127,8 +127,12 @@ class Client:
         """Close the connections (idempotent; also done when the client is collected)."""
         self._closer()
 
-    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """``method`` ``url + path`` with a JSON ``body``; the decoded JSON answer.
+    def request(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None, text: bool = False
+    ) -> Any:
+        """``method`` ``url + path`` with a JSON ``body``; the decoded JSON answer (with
+        ``text``, an answer that is not JSON is returned as its text: vLLM answers its LoRA
+        endpoints with plain text).
 
         Raises :class:`ServerUnreachableError` (naming the URL, the timeout and the retries)
         when every attempt failed to connect, :class:`ServerTimeoutError` at once when the
@@ -168,6 +172,8 @@ class Client:
             try:
                 return response.json()
             except ValueError as exc:
+                if text:
+                    return response.text
                 raise ServerError(
                     f"{method} {target} answered with a body that is not JSON: {response.text[:200]!r}",
                     response.status_code,
@@ -182,8 +188,9 @@ class Client:
 
     def info(self, model: str | None = None) -> ServerInfo:
         """The served model's :class:`ServerInfo` from ``GET /models``; ``model`` picks one when
-        the server serves several (ValueError naming them otherwise). A server without the
-        endpoint gives ``ServerInfo(model)`` when ``model`` is given."""
+        the server serves several (ValueError naming them otherwise; the LoRA adapters a
+        server lists with a ``parent`` model do not count). A server without the endpoint
+        gives ``ServerInfo(model)`` when ``model`` is given."""
         try:
             answer = self.request("GET", "/models")
             cards = answer.get("data", []) if isinstance(answer, dict) else []
@@ -192,7 +199,8 @@ class Client:
                 raise
             return ServerInfo(model)
         names = [c.get("id") for c in cards if isinstance(c, dict)]
-        if model is None:
+        if model is None:  # LoRA adapters loaded into a server (their `parent` set) are not it
+            names = [c.get("id") for c in cards if isinstance(c, dict) and not c.get("parent")]
             if len(names) != 1:
                 raise ValueError(
                     f"{self.url} serves {len(names)} models ({', '.join(map(str, names)) or 'none'}); "

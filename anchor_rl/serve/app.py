@@ -11,7 +11,8 @@ counter_r + t)`` (:mod:`anchor_rl.rollout.sampling`), so what a choice samples d
 depend on the requests it was batched with (up to the caveat on floating-point rounding of
 other batch shapes) and a client that sends the seeds of its ``Request`` objects gets the
 tokens the in-process ``hf`` engine samples. Weight reloads run on the same model thread,
-between batches. Endpoints and fields: docs/models.md, "Serving and the HTTP engine".
+between batches, and so do the loads and unloads of LoRA adapters (vLLM's runtime LoRA API,
+:mod:`anchor_rl.serve.adapters`). Endpoints and fields: docs/models.md, "Serving and the HTTP engine".
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from anchor_rl.rollout.sampling import Turn
@@ -77,6 +78,14 @@ async def _json(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _field(body: Any, name: str) -> str:
+    """``body[name]``, a non-empty string; BadRequest naming the field otherwise."""
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"the body needs `{name}`, a non-empty string", name)
+    return value
 
 
 async def _disconnected(request: Request) -> None:
@@ -139,7 +148,8 @@ def build_app(
                 "rows": server.rows,
             },
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card, *server.adapters.cards(server.name, server.limit)]
+        return JSONResponse({"object": "list", "data": cards})
 
     @_endpoint
     async def tokenizer(request: Request) -> Response:
@@ -156,6 +166,17 @@ def build_app(
                 'the body must be {"path": "<safetensors file or model directory>"}', "path"
             )
         return JSONResponse(await batcher.call(server.reload, path))
+
+    @_endpoint
+    async def load_lora(request: Request) -> Response:
+        body = await _json(request)
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        return PlainTextResponse(await batcher.call(server.adapters.load, name, path))
+
+    @_endpoint
+    async def unload_lora(request: Request) -> Response:
+        name = _field(await _json(request), "lora_name")
+        return PlainTextResponse(await batcher.call(server.adapters.unload, name))
 
     def sampling(parse: Callable[..., Parsed], answer: Callable[..., dict]) -> Handler:
         """An endpoint that parses a request with ``parse``, samples it, answers with ``answer``."""
@@ -191,6 +212,8 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/tokenizer", tokenizer, methods=["GET"]),
         Route("/v1/weights", weights, methods=["GET", "POST"]),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
         Route("/v1/completions", sampling(parse_completion, completion_body), methods=["POST"]),
         Route("/v1/chat/completions", sampling(parse_chat, chat_body), methods=["POST"]),
     ]

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from anchor_rl.anchors.keys import fingerprint_model, fingerprint_tokenizer
 from anchor_rl.models.tokenizer import id_count
 from anchor_rl.rollout.sampling import StopSet, Turn, eos_ids, generate_turn
+from anchor_rl.serve.adapters import Adapters
 from anchor_rl.serve.protocol import BadRequest, Job
 
 
@@ -29,6 +30,8 @@ class ModelServer:
     name: the served model's name (the ``model`` field of requests).
     max_batch: most rows per forward batch (a larger job runs in chunks of that size, like
         the ``hf`` engine's ``max_batch``).
+    adapters: the LoRA adapters loaded at run time (:mod:`anchor_rl.serve.adapters`); a job
+        naming one samples with it applied.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ModelServer:
         self.tokenizer_fingerprint = fingerprint_tokenizer(tokenizer)
         self._fingerprint: tuple[str, str] | None = None  # (revision, fingerprint_model)
         self.batches = self.rows = 0
+        self.adapters = Adapters(model, name)
         with tempfile.TemporaryDirectory(prefix="anchor-rl-serve-") as folder:
             tokenizer.save_pretrained(folder)
             self.tokenizer_files = {
@@ -95,11 +99,12 @@ class ModelServer:
         counters = [c for j in jobs for c in j.counters]
         stops = StopSet.build(self.tokenizer, list(first.stop), self.eos)
         turns: list[Turn] = []
-        self.model.eval()
+        model = self.model if first.adapter is None else self.adapters.model(first.adapter)
+        model.eval()
         for start in range(0, len(contexts), self.max_batch):
             part = slice(start, start + self.max_batch)
             turns += generate_turn(
-                self.model, self.tokenizer, contexts[part], budgets[part], first.temperature,
+                model, self.tokenizer, contexts[part], budgets[part], first.temperature,
                 first.top_p, stops, seeds[part], counters[part],
             )  # fmt: skip
         self.batches += 1

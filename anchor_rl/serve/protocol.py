@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import math
 import secrets
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,12 +86,14 @@ class BadRequest(Exception):
 class Served(Protocol):
     """What validating a request reads of the served model
     (:class:`~anchor_rl.serve.model.ModelServer` has it): its name, tokenizer, context limit
-    (None: unknown) and the token ids a prompt may hold."""
+    (None: unknown), the token ids a prompt may hold and the names of the LoRA adapters
+    loaded into it (``name in adapters``)."""
 
     name: str
     tokenizer: PreTrainedTokenizerBase
     limit: int | None
     vocab: int
+    adapters: Container[str]
 
 
 @dataclass(eq=False)
@@ -99,6 +102,7 @@ class Job:
 
     contexts: token ids each row continues; budgets: the most tokens each may generate;
     seeds, counters: row r's t-th token is drawn with ``uniforms(seeds[r], counters[r] + t)``.
+    adapter: the loaded LoRA adapter the rows sample with (None: the served model alone).
     """
 
     contexts: list[list[int]]
@@ -110,16 +114,17 @@ class Job:
     stop: tuple[str, ...]
     future: asyncio.Future[list[Turn]] | None = None
     cancelled: bool = False
+    adapter: str | None = None
     revision: str | None = None
     """The weights' revision that sampled the rows (set by
     :meth:`~anchor_rl.serve.model.ModelServer.generate`): what the answer reports, even if a
     reload lands before it is written."""
 
     @property
-    def key(self) -> tuple[float, float, tuple[str, ...]]:
+    def key(self) -> tuple[float, float, tuple[str, ...], str | None]:
         """Jobs with equal keys may share a sampler call (the stops in order: where two
-        match at once, the first listed wins)."""
-        return (self.temperature, self.top_p, self.stop)
+        match at once, the first listed wins; the same adapter, or none)."""
+        return (self.temperature, self.top_p, self.stop, self.adapter)
 
     def __len__(self) -> int:
         return len(self.contexts)
@@ -250,6 +255,8 @@ class Parsed:
     token_ids: bool = False
     include_stop: bool = False
     skip_special: bool = True
+    adapter: str | None = None
+    """The LoRA adapter named by the request's ``model`` (None: the served model)."""
 
     def job(self) -> Job:
         """The rows to sample, one per choice."""
@@ -261,6 +268,7 @@ class Parsed:
             temperature=self.temperature,
             top_p=self.top_p,
             stop=self.stop,
+            adapter=self.adapter,
         )
 
 
@@ -274,9 +282,11 @@ def _common(
     """The sampling fields shared by both endpoints; ``max_tokens`` None: up to the context
     limit; ``field``: the request field the prompts came from (named by a refusal)."""
     model = body.get("model")
-    if model is not None and model != server.name:
+    adapter = model if isinstance(model, str) and model in server.adapters else None
+    if model is not None and model != server.name and adapter is None:
         raise BadRequest(
-            f"the model {model!r} is not served here; this server serves {server.name!r}",
+            f"the model {model!r} is not served here; this server serves {server.name!r} "
+            "and the LoRA adapters GET /v1/models lists",
             "model",
             404,
             "NotFoundError",
@@ -351,6 +361,7 @@ def _common(
         token_ids=_bool(body, "return_tokens_as_token_ids", False),
         include_stop=_bool(body, "include_stop_str_in_output", False),
         skip_special=_bool(body, "skip_special_tokens", True),
+        adapter=adapter,
     )
 
 

@@ -169,7 +169,7 @@ def _envelope(
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
-        "model": server.name,
+        "model": parsed.adapter or server.name,
         "system_fingerprint": revision or server.revision,
         "choices": choices,
         "usage": _usage(parsed, turns),

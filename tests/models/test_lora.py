@@ -161,7 +161,7 @@ def test_the_http_engine_samples_the_updated_adapters_merged(tokenizer) -> None:
         server = ModelServer(build_model("tiny", tokenizer, seed=9), tokenizer, "tiny")
         policy = lora_policy(build_model("tiny", tokenizer, seed=0))
         with ServerThread(build_app(server)) as thread:
-            engine = make_engine("http", policy, tokenizer, url=thread.url)
+            engine = make_engine("http", policy, tokenizer, url=thread.url, lora_sync="merged")
             update_adapters(make_engine("hf", policy, tokenizer), policy)
             engine.sync_weights(sampling_state(policy))
             to_policy, to_base = sampled_gaps(engine, policy)
