@@ -130,3 +130,19 @@ def count_sampled(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(RolloutSampler, "__call__", counting)
     return calls
+
+
+def assert_ranks_match(one: Path, two: Path, keys: tuple[str, ...], steps: int) -> list[dict]:
+    """A run on several learner ranks (``two``) logged the same rollouts as one on one rank
+    (``one``) and, per step, the same ``keys`` within float rounding (rel 1e-4, abs 1e-7);
+    both trained (gradient norms above 0). Returns the one-rank run's metrics rows."""
+    import pytest
+
+    a, b = metrics_but_timings(one), metrics_but_timings(two)
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["reward/mean"] == rb["reward/mean"]  # the same rollouts
+        for key in keys:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert all(r["grad_norm"] > 0 and r["critic/grad_norm"] > 0 for r in a)
+    return a
