@@ -34,7 +34,8 @@
 # of every optimizer step of its resumed step (verl_probe.py loaded in V0.5's launches), VAPO's
 # critic metrics, and the one-AdamW-step replay of the resumed actor (PVPO, VAPO) and critic
 # (VAPO). Replays of FSDP1 checkpoints (flat parameters) map the flat optimizer state back to
-# the named weights. A run passes when both launches exit 0 and every check holds. Models,
+# the named weights (verl_loop_checks.engine_state, tested on the CPU against torch's FSDP1 and
+# verl's checkpoint manager by tests/integrations/test_verl_fsdp1.py). A run passes when both launches exit 0 and every check holds. Models,
 # checkpoints and probe records stay in `--work` (a temporary folder by default); the
 # checkpoints' and probe's weight files are deleted after a run's checks unless `--keep`.
 #
@@ -405,14 +406,11 @@ def run_checks(folder: Path, method: str, strategy: str) -> dict[str, str]:
     if checks is None:
         return {"checks": "skipped: verl_loop_checks did not import (summary: checks_unavailable)"}
     result = {}
-    with checks_lock:  # the checks module's hooks below are per run
-        checks.engine_state = engine_state
-        actor = folder / "checkpoints" / method / "global_step_2" / "actor"
-        checks.recorded_steps = lambda records: recorded_steps(records, actor)
+    with checks_lock:  # one run's checks at a time (FSDP1's flat state: checks.engine_state)
         for name, check in expect_checks(folder, method, strategy).items():
             try:
                 if strategy == "fsdp":
-                    fsdp1_ready()
+                    checks.fsdp1_ready()
                 check()
                 result[name] = "ok"
             except Exception as e:  # noqa: BLE001  (recorded, not raised)
@@ -420,108 +418,6 @@ def run_checks(folder: Path, method: str, strategy: str) -> dict[str, str]:
                 result[name] = (text if len(text) > 30 else traceback.format_exc())[-800:]
     return result
 
-
-# ---- FSDP1: verl saves a sharded state dict (ShardedTensor per weight) and the state of an
-# optimizer over FlatParameters (one per FSDP unit: the root, then each decoder layer); the
-# replays compare named weights, so the flat moments are split back into them.
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A weight of a world-size-1 checkpoint as one tensor (DTensor, ShardedTensor or plain)."""
-    if hasattr(t, "local_shards"):  # ShardedTensor: one shard holds all of it
-        (shard,) = t.local_shards()
-        return shard.tensor.reshape(t.size())
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def flat_layout(weights: dict[str, torch.Tensor], numels: list[int]) -> list[str]:
-    """The named weights in the order FSDP1 concatenates them into flat parameters of
-    ``numels`` elements: the root unit's weights (all but the decoder layers'; a tied
-    ``lm_head.weight`` counted once), then each layer's, each in state-dict order. Raises
-    where no order's unit sizes are ``numels``."""
-    names = list(weights)
-    tied = [n for n in names if n.endswith("lm_head.weight")]
-    candidates = []
-    for drop in ([], tied):
-        kept = [n for n in names if n not in drop]
-        unit = {n: int(m.group(1)) if (m := LAYER.search(n)) else -1 for n in kept}
-        candidates.append(sorted(kept, key=lambda n: unit[n]))  # stable: root, layers
-        candidates.append(kept)
-    for order in candidates:
-        sizes, total, i = [], 0, 0
-        for n in order:
-            total += weights[n].numel()
-            if i < len(numels) and total == numels[i]:
-                sizes.append(total)
-                total, i = 0, i + 1
-        if sizes == numels and total == 0:
-            return order
-    raise RuntimeError(f"FSDP1 flat layout not matched: flat sizes {numels}, "
-                       f"{len(names)} named weights")  # fmt: skip
-
-
-def split_flat(state: dict, order: list[str], weights: dict) -> dict[int, dict]:
-    """Per-FlatParameter optimizer state ``{k: {step, exp_avg, exp_avg_sq}}`` as per-weight
-    state in ``order`` (the layout :func:`flat_layout` found)."""
-    split, k, offset = {}, 0, 0
-    for i, name in enumerate(order):
-        numel, flat = weights[name].numel(), state[k]
-        split[i] = {key: v if v.dim() == 0 else
-                    v.flatten()[offset:offset + numel].reshape(weights[name].shape)
-                    for key, v in flat.items()}  # fmt: skip
-        offset += numel
-        if offset == state[k]["exp_avg"].numel():
-            k, offset = k + 1, 0
-    return split
-
-
-FLAT_ORDER: dict[str, list[str]] = {}
-"""A run's actor layout, for the probe's records of its optimizer steps (FSDP1 only)."""
-
-
-def engine_state(folder: Path) -> tuple[dict, dict, dict]:
-    """verl_loop_checks.engine_state for FSDP2 and FSDP1 checkpoints alike."""
-    model = torch.load(folder / "model_world_size_1_rank_0.pt", map_location="cpu",
-                       weights_only=False)  # fmt: skip
-    optim = torch.load(folder / "optim_world_size_1_rank_0.pt", map_location="cpu",
-                       weights_only=False)  # fmt: skip
-    weights = {name: full_tensor(value).float() for name, value in model.items()}
-    state = {i: {k: full_tensor(v).float() for k, v in s.items()}
-             for i, s in optim["state"].items()}  # fmt: skip
-    (group,) = optim["param_groups"]
-    shapes = [s["exp_avg"].shape for s in state.values()]
-    if [w.shape for w in weights.values()][: len(shapes)] == shapes:  # FSDP2: per weight
-        if len(weights) == len(state) + 1:  # a tied lm_head
-            weights.pop(next(n for n in weights if n.endswith("lm_head.weight")))
-        return weights, state, group
-    order = flat_layout(weights, [s["exp_avg"].numel() for s in state.values()])
-    FLAT_ORDER[str(folder)] = order
-    return {n: weights[n] for n in order}, split_flat(state, order, weights), group
-
-
-def recorded_steps(records: list[dict], layout_from: Path | None = None) -> list:
-    """verl_loop_checks.recorded_steps, with FSDP1's flat moments split like the checkpoint
-    at ``layout_from``."""
-    steps = [(dict(enumerate(r["state"])), r["group"]) for r in records]
-    if layout_from is None:
-        return steps
-    weights, _, _ = engine_state(layout_from)
-    order = FLAT_ORDER.get(str(layout_from))
-    if order is None:
-        return steps
-    return [(split_flat(s, order, weights), g) for s, g in steps]
-
-
-def fsdp1_ready() -> None:
-    """ShardedTensors unpickle only inside a process group: one of world size 1."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-
-
-# ---- end FSDP1
 
 MODELS: dict[str, Path] = {}
 

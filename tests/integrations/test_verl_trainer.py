@@ -571,24 +571,37 @@ def test_the_trainers_advantage_stage_writes_our_advantages_to_the_transfer_queu
     assert np.isfinite(metrics["anchor_rl/critic/value_mse"])
 
 
-def test_the_advantage_stage_takes_the_kl_in_the_reward(anchors, transfer_queue) -> None:
-    """``algorithm.use_kl_in_reward`` (verl's ``apply_kl_penalty``, ``kl_penalty=kl``, fixed
-    beta): the reward written back is the score minus beta * (old - ref) on response tokens,
-    and PVPO's advantage is that reward's sum minus the prompt's anchor."""
-    tq, beta = transfer_queue, 0.5
-    rows = trajectories(7)
-    g = torch.Generator().manual_seed(7)
+BETA = 0.5
+"""``algorithm.kl_ctrl.kl_coef`` of the KL-in-the-reward tests."""
+
+
+def _kl_in_reward_stage(method, anchors, tq, seed, read) -> tuple[list, torch.Tensor, dict, dict]:
+    """The advantage stage of ``method`` with ``algorithm.use_kl_in_reward`` (verl's
+    ``apply_kl_penalty``, ``kl_penalty=kl``, fixed beta :data:`BETA`) on trajectories carrying
+    old and reference log-probs: (rows, advantages, the ``read`` fields, metrics)."""
+    rows = trajectories(seed, values=method == "vapo")
+    g = torch.Generator().manual_seed(seed)
     for _, f in rows:
         n = len(f["response_mask"])
         f["old_log_probs"] = -torch.rand(n, generator=g)
         f["ref_log_prob"] = -torch.rand(n, generator=g)
     trainer = trainer_for(
-        "pvpo", anchors, "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl",
-        f"algorithm.kl_ctrl.kl_coef={beta}",
+        method, anchors, "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl",
+        f"algorithm.kl_ctrl.kl_coef={BETA}",
     )  # fmt: skip
     tags = [{"status": "success"} for _ in rows]
-    advantages, out, metrics = _stage(
-        trainer, tq, rows, tags, read=("advantages", "token_level_rewards")
+    advantages, out, metrics = _stage(trainer, tq, rows, tags, read=read)
+    assert metrics["actor/reward_kl_penalty_coeff"] == BETA
+    return rows, advantages, out, metrics
+
+
+def test_the_advantage_stage_takes_the_kl_in_the_reward(anchors, transfer_queue) -> None:
+    """``algorithm.use_kl_in_reward`` (verl's ``apply_kl_penalty``, ``kl_penalty=kl``, fixed
+    beta): the reward written back is the score minus beta * (old - ref) on response tokens,
+    and PVPO's advantage is that reward's sum minus the prompt's anchor."""
+    beta = BETA
+    rows, advantages, out, _ = _kl_in_reward_stage(
+        "pvpo", anchors, transfer_queue, 7, ("advantages", "token_level_rewards")
     )
     mask = padded(rows, "response_mask")
     kl = (padded(rows, "old_log_probs") - padded(rows, "ref_log_prob")) * mask
@@ -597,4 +610,48 @@ def test_the_advantage_stage_takes_the_kl_in_the_reward(anchors, transfer_queue)
     assert (beta * kl.sum(-1)).abs().max() > 0.1  # the penalty moves the rewards
     anchor = torch.tensor([sum(ANCHOR_REWARDS[int(f["uid"][-1])]) / 4 for _, f in rows])
     torch.testing.assert_close(advantages, pvpo(expected.sum(-1), anchor).unsqueeze(-1) * mask)
-    assert metrics["actor/reward_kl_penalty_coeff"] == beta
+
+
+def _gae_by_hand(rewards, values, mask, lam) -> torch.Tensor:
+    """GAE (gamma 1) over each row's policy tokens, skipping masked ones, in float64."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        a_next = v_next = 0.0
+        for t in reversed(mask[b].nonzero().flatten().tolist()):
+            delta = float(rewards[b, t]) + v_next - float(values[b, t])
+            a_next, v_next = delta + float(lam[b]) * a_next, float(values[b, t])
+            adv[b, t] = a_next
+    return adv
+
+
+def test_vapo_advantages_take_the_kl_in_the_reward(anchors, transfer_queue) -> None:
+    """VAPO with ``algorithm.use_kl_in_reward`` through the whole advantage stage: the token
+    rewards are score - beta * (old - ref) on every response token, the policy's advantages
+    the length-adaptive GAE of those rewards on the critic's values (whitened), the critic's
+    returns their reward-to-go (lambda 1); both recomputed here by hand to 1e-6, and unlike
+    those of the scores alone."""
+    beta = BETA
+    rows, advantages, out, _ = _kl_in_reward_stage(
+        "vapo", anchors, transfer_queue, 8, ("advantages", "returns", "token_level_rewards")
+    )
+    mask = padded(rows, "response_mask").double()
+    values = padded(rows, "values").double()
+    kl = (padded(rows, "old_log_probs") - padded(rows, "ref_log_prob")).double() * mask
+    rewards = padded(rows, "rm_scores").double() - beta * kl
+    torch.testing.assert_close(out["token_level_rewards"].to_padded_tensor(0.0).double(),
+                               rewards, rtol=0, atol=1e-6)  # fmt: skip
+    vapo = trainer_for("vapo", anchors).method_cfg.vapo  # the knobs the stage read
+    assert vapo.policy_lam == "adaptive" and vapo.lam == 1.0 and vapo.whiten
+    lam = (1 - 1 / (vapo.lam_alpha * mask.sum(-1))).clamp(vapo.lam_min, 1 - 1e-6)
+
+    def whitened(adv: torch.Tensor) -> torch.Tensor:
+        kept = adv[mask > 0]
+        return torch.where(mask > 0, (adv - kept.mean()) / (kept.var() + 1e-8).sqrt(), 0)
+
+    expected = whitened(_gae_by_hand(rewards, values, mask, lam))
+    torch.testing.assert_close(advantages.double(), expected, rtol=0, atol=1e-6)
+    to_go = rewards.flip(-1).cumsum(-1).flip(-1) * mask  # KL is 0 on masked tokens
+    torch.testing.assert_close(out["returns"].to_padded_tensor(0.0).double(), to_go,
+                               rtol=0, atol=1e-6)  # fmt: skip
+    scores_only = whitened(_gae_by_hand(padded(rows, "rm_scores"), values, mask, lam))
+    assert (scores_only - expected).abs().max() > 1e-2  # the KL moved the advantages

@@ -199,15 +199,26 @@ def test_reference_offload_runs_on_the_cpu(mode):
 
 @pytest.fixture(scope="module")
 def worker_slice(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("verl_worker")
-    env = dict(os.environ) | {
-        "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
-    }  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "verl_worker_slice.py"), str(out)], env=env, cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    """``verl_worker_slice.py``'s results, run once per test session: under pytest-xdist the
+    workers share one run (the session's common temporary folder, under a file lock): a
+    worker that gets some of this module's tests while or after the other one runs it waits
+    for its file and reads it."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "verl_worker_slice"
+    else:
+        out = tmp_path_factory.mktemp("verl_worker")
+    with FileLock(f"{out}.lock"):
+        if not (out / "slice.pt").exists():
+            env = dict(os.environ) | {
+                "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+            }  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "verl_worker_slice.py"), str(out)], env=env,
+                cwd=ROOT, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return torch.load(out / "slice.pt", weights_only=False)
 
 

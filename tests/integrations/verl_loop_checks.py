@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -216,23 +217,104 @@ def test_v05_tops_up_through_verls_agent_loop(v05: Runs) -> None:
     assert len(drift) > N and set(drift) == {0.0}
 
 
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A weight of a world-size-1 checkpoint as one local tensor: a DTensor (FSDP2), a
+    ShardedTensor (FSDP1 sharded across ranks; one shard holds all of it) or a plain tensor
+    (FSDP1 at world size 1, which torch runs as ``NO_SHARD``)."""
+    if hasattr(t, "local_shards"):
+        (shard,) = t.local_shards()
+        return shard.tensor.reshape(t.size())
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def flat_layout(weights: dict[str, torch.Tensor], numels: list[int]) -> list[str]:
+    """The named weights in the order FSDP1 (``use_orig_params=False``, verl's default)
+    concatenates them into flat parameters of ``numels`` elements, one per FSDP unit: the
+    root unit's weights (all but the decoder layers'; a tied ``lm_head.weight`` counted
+    once), then each decoder layer's, each in state-dict order. Raises where no order's unit
+    sizes are ``numels``."""
+    names = list(weights)
+    tied = [n for n in names if n.endswith("lm_head.weight")]
+    candidates = []
+    for drop in ([], tied):
+        kept = [n for n in names if n not in drop]
+        unit = {n: int(m.group(1)) if (m := LAYER.search(n)) else -1 for n in kept}
+        candidates.append(sorted(kept, key=lambda n: unit[n]))  # stable: root, layers
+        candidates.append(kept)
+    for order in candidates:
+        sizes, total, i = [], 0, 0
+        for n in order:
+            total += weights[n].numel()
+            if i < len(numels) and total == numels[i]:
+                sizes.append(total)
+                total, i = 0, i + 1
+        if sizes == numels and total == 0:
+            return order
+    raise RuntimeError(f"FSDP1 flat layout not matched: flat sizes {numels}, "
+                       f"{len(names)} named weights")  # fmt: skip
+
+
+def split_flat(state: dict, weights: dict[str, torch.Tensor]) -> dict[int, dict]:
+    """Optimizer state over FSDP1's flat parameters, ``{k: {step, exp_avg[numel_k],
+    exp_avg_sq[numel_k]}}``, as per-weight state ``{i: {step, exp_avg, exp_avg_sq}}`` with
+    each weight's shape, ``weights`` (name -> tensor) in the flat layout's order
+    (:func:`flat_layout`)."""
+    split, k, offset = {}, 0, 0
+    for i, w in enumerate(weights.values()):
+        numel = w.numel()
+        split[i] = {key: v if v.dim() == 0 else
+                    v.flatten()[offset:offset + numel].reshape(w.shape)
+                    for key, v in state[k].items()}  # fmt: skip
+        offset += numel
+        if offset == state[k]["exp_avg"].numel():
+            k, offset = k + 1, 0
+    assert k == len(state) and offset == 0, (k, len(state), offset)
+    return split
+
+
+def per_weight(state: dict, weights: dict[str, torch.Tensor]) -> dict[int, dict]:
+    """An optimizer's state as per-weight state in ``weights``' order: FSDP2's (one entry
+    per weight) as it is, FSDP1's (one per flat parameter) split by :func:`split_flat`."""
+    shapes = [s["exp_avg"].shape for s in state.values()]
+    if shapes == [w.shape for w in weights.values()]:
+        return state
+    return split_flat(state, weights)
+
+
 def engine_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """The weights, the optimizer's per-parameter state and its hyper-parameters of one verl
-    FSDP checkpoint folder (world size 1), as local tensors, parameters in the optimizer's
-    order."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
+    FSDP checkpoint folder (world size 1; FSDP2 or FSDP1), as local fp32 tensors, weights in
+    the optimizer's order (a tied ``lm_head.weight`` dropped), FSDP1's flat optimizer state
+    split into the named weights."""
     # verl saves DTensors, whose device mesh pickles as an object: not weights_only
-    model = torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False)
-    optim = torch.load(folder / "optim_world_size_1_rank_0.pt", weights_only=False)
-    weights = {name: local(value).float() for name, value in model.items()}
-    state = {i: {k: local(v).float() for k, v in s.items()} for i, s in optim["state"].items()}
-    if len(weights) == len(state) + 1:  # the tiny Llama ties lm_head to the embeddings
-        weights.pop("lm_head.weight")
+    model = torch.load(folder / "model_world_size_1_rank_0.pt", map_location="cpu",
+                       weights_only=False)  # fmt: skip
+    optim = torch.load(folder / "optim_world_size_1_rank_0.pt", map_location="cpu",
+                       weights_only=False)  # fmt: skip
+    weights = {name: full_tensor(value).float() for name, value in model.items()}
+    state = {i: {k: full_tensor(v).float() for k, v in s.items()}
+             for i, s in optim["state"].items()}  # fmt: skip
     (group,) = optim["param_groups"]
-    return weights, state, group
+    shapes = [s["exp_avg"].shape for s in state.values()]
+    if [w.shape for w in weights.values()][: len(shapes)] == shapes:  # FSDP2: per weight
+        if len(weights) == len(state) + 1:  # the tiny Llama ties lm_head to the embeddings
+            weights.pop(next(n for n in weights if n.endswith("lm_head.weight")))
+        return weights, state, group
+    order = flat_layout(weights, [s["exp_avg"].numel() for s in state.values()])
+    weights = {n: weights[n] for n in order}
+    return weights, split_flat(state, weights), group
+
+
+def fsdp1_ready() -> None:
+    """ShardedTensors (FSDP1 checkpoints of several ranks) unpickle only inside a process
+    group: one of world size 1 unless one exists."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 
 
 def replay(before: Path, steps: list[tuple[dict, dict]], after: Path) -> None:
@@ -244,10 +326,12 @@ def replay(before: Path, steps: list[tuple[dict, dict]], after: Path) -> None:
     applied from ``before``'s weights step by step, gives ``after``'s weights, and the last
     moments are ``after``'s. An engine that started from other weights or a fresh optimizer
     fails (its weights differ from ``before``'s by the earlier steps, about the learning rate
-    per weight)."""
+    per weight). Steps recorded over FSDP1's flat parameters are split into the named weights
+    as the checkpoints are (:func:`per_weight`)."""
     w0, s0, _ = engine_state(before)
     w1, s1, _ = engine_state(after)
     assert list(w0) == list(w1) and len(w0) == len(s1) and steps
+    steps = [(per_weight(state, w0), group) for state, group in steps]  # FSDP1: flat
     weights = dict(w0)
     for n, (state, group) in enumerate(steps):
         lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]

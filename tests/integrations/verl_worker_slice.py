@@ -15,20 +15,23 @@ from the example Hydra config's VAPO group, and drives it as verl's trainer does
     save     the engine checkpoint; step 4 (as step 3)                          -> lp4
     load     the checkpoint                                                     -> lp5
     step 4'  step 4 again from the loaded state                                 -> lp6
-    sync     each row's prompt sampled by the ``anchor_rl`` rollout backend (a replica
-             server Ray actor, ``rollout.name=anchor_rl``) before verl's weight sync;
-             ``replica.sleep()`` (generation refused); the worker's own
-             ``update_weights(mode="naive")`` through the backend's ``ServerAdapter``;
-             the same requests again; ``sleep`` + ``wake_up`` and again. Each sample is
-             also scored by the actor (``compute_log_prob``).
     bf16     a second actor worker (``actor`` role) with verl's bf16 mixed precision:
              ``model_dtype=fp32`` master weights, FSDP2 ``MixedPrecisionPolicy`` with
              ``param_dtype=bf16`` (and verl's CPU autocast in bf16), fp32 gradient
              reduction: its log-probs before training (and their dtype), one
              ``anchor_rl_ppo`` step as step 1, the log-probs after it, and the dtypes of
              its parameters and AdamW moments.
+    sync     each row's prompt sampled by the ``anchor_rl`` rollout backend (a replica
+             server Ray actor, ``rollout.name=anchor_rl``) before verl's weight sync;
+             ``replica.sleep()`` (generation refused); the (fp32) worker's own
+             ``update_weights(mode="naive")`` through the backend's ``ServerAdapter``;
+             the same requests again; ``sleep`` + ``wake_up`` and again. Each sample is
+             also scored by the actor (``compute_log_prob``).
 
-The rows' log-probs are ``[B, R]`` response tensors, 0 past each response.
+The rows' log-probs are ``[B, R]`` response tensors, 0 past each response. The rollout
+server is launched before the actor workers are built and first called at ``sync``, so its
+start-up (a Ray worker process importing verl) overlaps both workers' steps; the script ends
+with ``os._exit`` once ``slice.pt`` is written, skipping the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def main(out: Path) -> None:
     asyncio.run(replica.launch_servers())
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
     worker.init_model()
+    workers = {"fp32": worker}
 
     gen = torch.Generator().manual_seed(0)
     attention = torch.zeros(B, P + R, dtype=torch.long)
@@ -143,11 +147,13 @@ def main(out: Path) -> None:
         )  # fmt: skip
         return left_right_2_no_padding(data)
 
-    def log_probs(ids: torch.Tensor = input_ids, attend: torch.Tensor = attention) -> torch.Tensor:
+    def log_probs(
+        ids: torch.Tensor = input_ids, attend: torch.Tensor = attention, precision: str = "fp32"
+    ) -> torch.Tensor:
         data = batch(ids, attend)
         tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=1.0)
-        output = worker.compute_log_prob(data)
-        dtypes.add(str(tu.get(output, "log_probs").dtype))
+        output = workers[precision].compute_log_prob(data)
+        dtypes[precision].add(str(tu.get(output, "log_probs").dtype))
         return no_padding_2_padding(tu.get(output, "log_probs"), data).float() * attend[:, P:]
 
     def sample(request_id: str) -> dict:
@@ -168,7 +174,7 @@ def main(out: Path) -> None:
         actor = log_probs(ids, attend)
         return {"rollout": rollout, "actor": actor, "mask": attend[:, P:], "steps": steps}
 
-    def train(old: torch.Tensor, **fields: torch.Tensor) -> dict:
+    def train(old: torch.Tensor, precision: str = "fp32", **fields: torch.Tensor) -> dict:
         fields = {"old_log_probs": old.clone(), "advantages": advantages.clone(), **fields}
         data = batch(input_ids, attention, **fields)
         tu.assign_non_tensor(
@@ -176,13 +182,13 @@ def main(out: Path) -> None:
             global_batch_size=B, mini_batch_size=B, epochs=1, seed=0,
             dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0,
         )  # fmt: skip
-        metrics = tu.get(worker.update_actor(data), "metrics")
+        metrics = tu.get(workers[precision].update_actor(data), "metrics")
         return {k: [float(x) for x in v] for k, v in metrics.items() if isinstance(v, list)}
 
     from verl.utils.device import get_device_name
 
     platform = (get_device_name(), torch.distributed.get_backend())
-    dtypes: set[str] = set()  # of the log-probs compute_log_prob returns
+    dtypes: dict[str, set[str]] = {"fp32": set(), "bf16": set()}  # of compute_log_prob's
     result: dict = {"mask": mask, "advantages": advantages, "platform": platform}
     result["trl"] = importlib.util.find_spec("trl") is not None  # the model build ran beside it
     result["lp0"] = log_probs()
@@ -204,6 +210,21 @@ def main(out: Path) -> None:
     result["lp5"] = log_probs()
     result["m4_again"] = train(result["lp3"], **weights)
     result["lp6"] = log_probs()
+    # bf16 mixed precision: a second actor (same initial weights), one anchor_rl_ppo step
+    workers["bf16"] = ActorRolloutRefWorker(cfg_bf16.actor_rollout_ref, role="actor")
+    workers["bf16"].init_model()
+    bf16 = {"lp0": log_probs(precision="bf16")}
+    bf16["m1"] = train(bf16["lp0"], precision="bf16")
+    bf16["lp1"] = log_probs(precision="bf16")
+    bf16["lp_dtypes"] = sorted(dtypes["bf16"])
+    engine = workers.pop("bf16").actor.engine
+    bf16["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    bf16["moment_dtypes"] = sorted(
+        {str(v.dtype) for st in engine.optimizer.state.values() for k, v in st.items()
+         if k.startswith("exp_avg")}
+    )  # fmt: skip
+    result["bf16"] = bf16
+    del engine
     # the rollout server still has the initial weights; verl's weight sync: the replica is
     # put to sleep (generation refused), the worker pushes the actor's weights and wakes it
     result["before_sync"] = sample("a")
@@ -219,22 +240,7 @@ def main(out: Path) -> None:
     result["after_wake"] = sample("a")
     result["generated"] = ray.get(replica.server_handle.__ray_call__.remote(lambda s: s.generated))
     ray.shutdown()
-    result["lp_dtypes"] = sorted(dtypes)
-    # bf16 mixed precision: a second actor (same initial weights), one anchor_rl_ppo step
-    dtypes.clear()
-    worker = ActorRolloutRefWorker(cfg_bf16.actor_rollout_ref, role="actor")
-    worker.init_model()
-    bf16 = {"lp0": log_probs()}
-    bf16["m1"] = train(bf16["lp0"])
-    bf16["lp1"] = log_probs()
-    bf16["lp_dtypes"] = sorted(dtypes)
-    engine = worker.actor.engine
-    bf16["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
-    bf16["moment_dtypes"] = sorted(
-        {str(v.dtype) for st in engine.optimizer.state.values() for k, v in st.items()
-         if k.startswith("exp_avg")}
-    )  # fmt: skip
-    result["bf16"] = bf16
+    result["lp_dtypes"] = sorted(dtypes["fp32"])
     result["clip"] = (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c)
     result["loss_agg_mode"] = actor.loss_agg_mode
     torch.save(result, out / "slice.pt")
@@ -242,3 +248,6 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # slice.pt is written: skip the interpreter's teardown of verl's and torch's state
