@@ -2,8 +2,8 @@
 # Depth 3 of the verl plug-in's tests on a GPU: verl 0.9.1's whole `main_ppo` with
 # `trainer.v1.trainer_mode=anchor_rl` and the plug-in's `anchor_rl` rollout backend (anchor-rl's
 # own sampler on CUDA, no vLLM), for PVPO, V0.5 (with its KL loss and a KL in its reward, to
-# verl's reference worker) and VAPO (verl's critic), with FSDP2 and FSDP1, on anchor-rl's `base`
-# model (50M, random) and an HF-format Llama written by benchmarks/make_hf_model.py (PVPO,
+# verl's reference worker) and VAPO (verl's critic; a KL in its reward), with FSDP2 and FSDP1,
+# on anchor-rl's `base` model (50M, random) and an HF-format Llama written by benchmarks/make_hf_model.py (PVPO,
 # FSDP2). Each run is the CPU tests' pair of launches (tests/integrations/verl_main_ppo.py, the
 # same data and reward): steps 1-2 with a checkpoint, then a launch that resumes and runs step 3.
 #
@@ -31,9 +31,9 @@
 # A run's checks are the CPU depth-3 tests' (tests/integrations/verl_loop_checks.py), called on
 # its outputs: the resume (steps, anchor_rl.pt, the anchor key), PVPO's presampling, group
 # sampling and teacher rows, V0.5's prior, KL loss, top-ups, its KL in the reward and the replay
-# of every optimizer step of its resumed step (verl_probe.py loaded in V0.5's launches), VAPO's
-# critic metrics, and the one-AdamW-step replay of the resumed actor (PVPO, VAPO) and critic
-# (VAPO). Replays of FSDP1 checkpoints (flat parameters) map the flat optimizer state back to
+# of every optimizer step of its resumed step (verl_probe.py loaded in V0.5's and VAPO's
+# launches), VAPO's critic metrics and its KL in the reward under its GAE, and the
+# one-AdamW-step replay of the resumed actor (PVPO, VAPO) and critic (VAPO). Replays of FSDP1 checkpoints (flat parameters) map the flat optimizer state back to
 # the named weights (verl_loop_checks.engine_state, tested on the CPU against torch's FSDP1 and
 # verl's checkpoint manager by tests/integrations/test_verl_fsdp1.py). A run passes when both launches exit 0 and every check holds. Models,
 # checkpoints and probe records stay in `--work` (a temporary folder by default); the
@@ -335,7 +335,7 @@ def one_launch(folder: Path, method: str, steps: int, strategy: str, timeout: fl
     def target() -> None:
         done["result"] = loop.launch(folder, method, steps, timeout=timeout + GRACE,
                                      device=args.device, strategy=strategy,
-                                     probe=method == "v05")  # fmt: skip
+                                     probe=method in ("v05", "vapo"))  # fmt: skip
 
     t0 = time.monotonic()
     thread = threading.Thread(target=target, daemon=True)
@@ -394,6 +394,9 @@ def expect_checks(folder: Path, method: str, strategy: str) -> dict[str, object]
         )
     if method == "vapo":
         found["vapo_loop"] = lambda: checks.test_vapo_through_main_ppo(runs_)
+        found["kl_in_reward"] = lambda: checks.test_vapo_reward_carries_the_kl_to_the_reference(
+            runs_
+        )
     for role in {"pvpo": ["actor"], "vapo": ["actor", "critic"]}.get(method, []):
         found[f"replay_{role}"] = lambda role=role: checks.check_resumed_engine(
             step[2] / role, step[3] / role

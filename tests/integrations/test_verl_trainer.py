@@ -202,8 +202,9 @@ def test_the_method_group_switches_the_registered_trainer(
 def test_the_whole_loops_launch_settings_compose(method, device, strategy, tmp_path) -> None:
     """The Hydra overrides of a depth-3 launch (verl_main_ppo.py; the GPU script's too) compose
     with the example config: the strategy reaches the actor, the reference and VAPO's
-    critic, a logical GPU is declared on the CPU only, and V0.5 keeps its KL loss with the
-    reference's micro-batch set. The CPU refuses FSDP1."""
+    critic, a logical GPU is declared on the CPU only, V0.5 keeps its KL loss, V0.5 and VAPO
+    take the reference's KL in their rewards, with the reference's micro-batch set. The CPU
+    refuses FSDP1."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -218,7 +219,12 @@ def test_the_whole_loops_launch_settings_compose(method, device, strategy, tmp_p
         assert cfg.critic.strategy == strategy == cfg.critic.fsdp.strategy
     assert ("num_gpus" in cfg.ray_kwargs.ray_init) == (device == "cpu")
     assert actor_rollout_ref.actor.use_kl_loss == (method == "v05")
-    assert cfg.algorithm.use_kl_in_reward == (method == "v05")  # V0.5: the KL in its reward too
+    # V0.5 and VAPO: the reference's KL in the reward (V0.5 in its loss too)
+    assert cfg.algorithm.use_kl_in_reward == (method in ("v05", "vapo"))
+    if method != "pvpo":
+        assert cfg.algorithm.kl_ctrl.kl_coef == loop.KL_IN_REWARD
+    if method == "vapo":
+        assert cfg.anchor_rl.vapo.lam_alpha == loop.VAPO_LAM_ALPHA
     assert actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == loop.BATCH
     with pytest.raises(ValueError, match="FSDP2 only"):
         loop.overrides(tmp_path, method, 2, "cpu", "fsdp")
@@ -612,46 +618,35 @@ def test_the_advantage_stage_takes_the_kl_in_the_reward(anchors, transfer_queue)
     torch.testing.assert_close(advantages, pvpo(expected.sum(-1), anchor).unsqueeze(-1) * mask)
 
 
-def _gae_by_hand(rewards, values, mask, lam) -> torch.Tensor:
-    """GAE (gamma 1) over each row's policy tokens, skipping masked ones, in float64."""
-    adv = torch.zeros(mask.shape, dtype=torch.float64)
-    for b in range(mask.shape[0]):
-        a_next = v_next = 0.0
-        for t in reversed(mask[b].nonzero().flatten().tolist()):
-            delta = float(rewards[b, t]) + v_next - float(values[b, t])
-            a_next, v_next = delta + float(lam[b]) * a_next, float(values[b, t])
-            adv[b, t] = a_next
-    return adv
-
-
 def test_vapo_advantages_take_the_kl_in_the_reward(anchors, transfer_queue) -> None:
     """VAPO with ``algorithm.use_kl_in_reward`` through the whole advantage stage: the token
     rewards are score - beta * (old - ref) on every response token, the policy's advantages
     the length-adaptive GAE of those rewards on the critic's values (whitened), the critic's
     returns their reward-to-go (lambda 1); both recomputed here by hand to 1e-6, and unlike
-    those of the scores alone."""
-    beta = BETA
+    those of the scores alone. The float64 recomputation is the one the whole-loop check
+    (``verl_loop_checks.py``) applies to VAPO's launches."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from verl_loop_checks import kl_in_reward, vapo_advantages_by_hand
+
     rows, advantages, out, _ = _kl_in_reward_stage(
         "vapo", anchors, transfer_queue, 8, ("advantages", "returns", "token_level_rewards")
     )
     mask = padded(rows, "response_mask").double()
-    values = padded(rows, "values").double()
-    kl = (padded(rows, "old_log_probs") - padded(rows, "ref_log_prob")).double() * mask
-    rewards = padded(rows, "rm_scores").double() - beta * kl
+    values = padded(rows, "values")
+    record = {n: padded(rows, n) for n in ("response_mask", "old_log_probs", "ref_log_prob")}
+    rewards = kl_in_reward({**record, "token_level_scores": padded(rows, "rm_scores")}, BETA)
+    assert (rewards - padded(rows, "rm_scores").double()).abs().max() > 0.01
     torch.testing.assert_close(out["token_level_rewards"].to_padded_tensor(0.0).double(),
                                rewards, rtol=0, atol=1e-6)  # fmt: skip
     vapo = trainer_for("vapo", anchors).method_cfg.vapo  # the knobs the stage read
     assert vapo.policy_lam == "adaptive" and vapo.lam == 1.0 and vapo.whiten
-    lam = (1 - 1 / (vapo.lam_alpha * mask.sum(-1))).clamp(vapo.lam_min, 1 - 1e-6)
-
-    def whitened(adv: torch.Tensor) -> torch.Tensor:
-        kept = adv[mask > 0]
-        return torch.where(mask > 0, (adv - kept.mean()) / (kept.var() + 1e-8).sqrt(), 0)
-
-    expected = whitened(_gae_by_hand(rewards, values, mask, lam))
+    expected = vapo_advantages_by_hand(rewards, values, mask, vapo.lam_alpha, vapo.lam_min)
     torch.testing.assert_close(advantages.double(), expected, rtol=0, atol=1e-6)
     to_go = rewards.flip(-1).cumsum(-1).flip(-1) * mask  # KL is 0 on masked tokens
     torch.testing.assert_close(out["returns"].to_padded_tensor(0.0).double(), to_go,
                                rtol=0, atol=1e-6)  # fmt: skip
-    scores_only = whitened(_gae_by_hand(padded(rows, "rm_scores"), values, mask, lam))
+    scores_only = vapo_advantages_by_hand(padded(rows, "rm_scores"), values, mask,
+                                          vapo.lam_alpha, vapo.lam_min)  # fmt: skip
     assert (scores_only - expected).abs().max() > 1e-2  # the KL moved the advantages

@@ -13,8 +13,9 @@ about half): steps 1-2 with a checkpoint at step 2, then a second launch that re
 it and runs step 3. The reward workers append every response they score to a file, so
 the tests count what verl's agent loop sampled: presampling, training rollouts, teacher
 rows and top-ups. V0.5's launches (a KL loss and a KL in the reward, several mini-batches
-per step) also load :mod:`verl_probe`, which records every optimizer step of the actor and
-every advantage stage of the trainer.
+per step) and VAPO's (a KL in the reward under its length-adaptive GAE) also load
+:mod:`verl_probe`, which records every optimizer step of the workers and every advantage
+stage of the trainer.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def v05(base: Path) -> Runs:
 
 @pytest.fixture(scope="module")
 def vapo(base: Path) -> Runs:
-    return Runs(base, "vapo")
+    return Runs(base, "vapo", probe=True)
 
 
 def stored_anchors(out: Path, method: str, digest: str) -> dict[str, tuple[int, float]]:
@@ -446,3 +447,81 @@ def test_vapo_through_main_ppo(vapo: Runs) -> None:
     for role in ("critic", "actor"):
         check_resumed_engine(vapo.folder / "global_step_2" / role,
                              vapo.folder / "global_step_3" / role)  # fmt: skip
+
+
+def kl_in_reward(record: dict, beta: float) -> torch.Tensor:
+    """The token rewards ``[B, T]`` (float64) verl's ``apply_kl_penalty`` (``kl_penalty=kl``,
+    fixed ``beta``) makes of one advantage stage's record: ``score - beta * (old - ref)`` on
+    response tokens, the score alone elsewhere."""
+    mask = record["response_mask"].double()
+    kl = (record["old_log_probs"].double() - record["ref_log_prob"].double()) * mask
+    return record["token_level_scores"].double() - beta * kl
+
+
+def gae_by_hand(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                lam: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """GAE (gamma 1) ``[B, T]`` in float64 over each row's policy tokens (``mask[B, T]`` > 0),
+    skipping masked ones, with one lambda per row (``lam[B]``); 0 on masked tokens."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        a_next = v_next = 0.0
+        for t in reversed(mask[b].nonzero().flatten().tolist()):
+            delta = float(rewards[b, t]) + v_next - float(values[b, t])
+            a_next, v_next = delta + float(lam[b]) * a_next, float(values[b, t])
+            adv[b, t] = a_next
+    return adv
+
+
+def vapo_advantages_by_hand(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                            lam_alpha: float, lam_min: float) -> torch.Tensor:  # fmt: skip
+    """VAPO's policy advantages ``[B, T]`` recomputed in float64 from token ``rewards``, the
+    critic's ``values`` and ``mask`` (all ``[B, T]``): GAE with gamma 1 and the
+    length-adaptive lambda ``1 - 1/(lam_alpha * l)`` per row (``l`` its policy tokens,
+    clamped to ``[lam_min, 1 - 1e-6]``), whitened over the batch's policy tokens (unbiased
+    variance), 0 on masked tokens."""
+    mask = mask.double()
+    lam = (1 - 1 / (lam_alpha * mask.sum(-1))).clamp(lam_min, 1 - 1e-6)
+    adv = gae_by_hand(rewards.double(), values.double(), mask, lam)
+    kept = adv[mask > 0]
+    return torch.where(mask > 0, (adv - kept.mean()) / (kept.var() + 1e-8).sqrt(), 0)
+
+
+def test_vapo_reward_carries_the_kl_to_the_reference(vapo: Runs) -> None:
+    """``algorithm.use_kl_in_reward`` with VAPO (``kl_penalty=kl``, a fixed beta, no KL loss)
+    inside verl's loop: in every step's advantage stage the token rewards are the score minus
+    beta * (old - ref) per response token, with verl's reference worker's log-probs; the
+    policy's advantages are the whitened length-adaptive GAE of those rewards on the critic's
+    values, and the critic's returns their reward-to-go (lambda 1), all recomputed here in
+    float64. The penalty is 0 while the actor is the reference (steps 1 and 2: the critic
+    trains alone at step 1) and moves the rewards once it has trained (step 3)."""
+    records = vapo.probed("advantage", 2) + vapo.probed("advantage", 3)
+    assert len(records) == 3
+    beta = loop.KL_IN_REWARD
+    shifts = []
+    for step, r in enumerate(records, start=1):
+        assert vapo.metrics[step]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta)
+        knobs = r["vapo"]
+        assert knobs["policy_lam"] == "adaptive" and knobs["lam"] == 1.0 and knobs["whiten"]
+        assert knobs["lam_alpha"] == loop.VAPO_LAM_ALPHA and r["gamma"] == 1.0
+        mask = r["response_mask"].double()
+        rewards = kl_in_reward(r, beta)
+        torch.testing.assert_close(r["token_level_rewards"].double(), rewards,
+                                   rtol=0, atol=1e-6, msg=f"step {step}")  # fmt: skip
+        shifts.append((rewards - r["token_level_scores"].double()).sum(-1).abs().max().item())
+        lam = 1 - 1 / (knobs["lam_alpha"] * mask.sum(-1))
+        assert ((lam > 0) & (lam < 1)).any(), step  # the GAE's lambda is not 0 or 1 throughout
+        expected = vapo_advantages_by_hand(rewards, r["values"], mask, knobs["lam_alpha"],
+                                           knobs["lam_min"])  # fmt: skip
+        torch.testing.assert_close(r["advantages"].double(), expected, rtol=0, atol=1e-6,
+                                   msg=f"step {step}")  # fmt: skip
+        to_go = rewards.flip(-1).cumsum(-1).flip(-1) * mask
+        torch.testing.assert_close(r["returns"].double(), to_go, rtol=0, atol=1e-6,
+                                   msg=f"step {step}")  # fmt: skip
+    assert shifts[0] < 1e-5 and shifts[1] < 1e-5 and shifts[2] > 1e-3, shifts
+    # at step 3 the KL changed the advantages: those of the scores alone differ
+    r = records[2]
+    knobs = r["vapo"]
+    scores_only = vapo_advantages_by_hand(r["token_level_scores"], r["values"],
+                                          r["response_mask"], knobs["lam_alpha"],
+                                          knobs["lam_min"])  # fmt: skip
+    assert (scores_only - r["advantages"].double()).abs().max() > 1e-3

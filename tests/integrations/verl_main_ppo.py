@@ -44,7 +44,20 @@ BATCH, M = 2, 4
 """Prompts per step; PVPO's presampled rollouts per prompt."""
 
 KL_IN_REWARD = 0.1
-"""V0.5's ``algorithm.kl_ctrl.kl_coef`` (a fixed controller): beta of the KL in its reward."""
+"""V0.5's and VAPO's ``algorithm.kl_ctrl.kl_coef`` (a fixed controller): beta of the KL to
+verl's reference worker in their rewards."""
+
+KL_IN_REWARD_OVERRIDES = [
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_penalty=kl",
+    f"algorithm.kl_ctrl.kl_coef={KL_IN_REWARD}",
+]
+"""The KL in the reward: ``r = score - beta * (old - ref)`` per response token."""
+
+VAPO_LAM_ALPHA = 0.5
+"""VAPO's ``lam_alpha``: its length-adaptive lambda ``1 - 1/(alpha l)`` lies strictly between 0
+and 1 for responses of 3 to 8 tokens (the default 0.05 clamps every response of this loop's
+8 tokens at most to 0, one-step TD)."""
 
 PROMPTS = [
     ("easy", "1+1", "2"),
@@ -132,9 +145,7 @@ METHOD_OVERRIDES = {
         "actor_rollout_ref.rollout.n=2",
         # the example's KL loss to verl's reference worker (low_var_kl, 0.04) stays on, and
         # the same reference's KL goes into the reward too: r = score - beta * (old - ref)
-        "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_penalty=kl",
-        f"algorithm.kl_ctrl.kl_coef={KL_IN_REWARD}",
+        *KL_IN_REWARD_OVERRIDES,
         # one prompt's rollouts per mini-batch: several optimizer steps per training step
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
     ],
@@ -150,6 +161,9 @@ METHOD_OVERRIDES = {
         "+critic.fsdp.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         f"critic.ppo_micro_batch_size_per_gpu={BATCH}",
         "critic.optim.lr=1e-3",
+        # no KL loss; the reference worker's KL in the reward, under the policy's GAE
+        *KL_IN_REWARD_OVERRIDES,
+        f"anchor_rl.vapo.lam_alpha={VAPO_LAM_ALPHA}",
     ],
 }
 

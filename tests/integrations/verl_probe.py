@@ -13,8 +13,10 @@ It records, as ``torch.save`` files in that folder:
 - ``advantage_<pid>_<n>.pt`` at every advantage stage of the ``anchor_rl`` trainer
   (:meth:`anchor_rl.integrations.verl.method.MethodState.advantage_step`): the
   ``DataProto`` tensors it was given (``token_level_scores``, ``token_level_rewards``,
-  ``old_log_probs``, ``ref_log_prob`` where present, ``response_mask``, all ``[B, T]``), the
-  valid-row mask ``[B]``, the ``uid`` of each row and the ``advantages[B, T]`` it wrote.
+  ``old_log_probs``, ``ref_log_prob`` and the critic's ``values`` where present,
+  ``response_mask``, all ``[B, T]``), the valid-row mask ``[B]``, the ``uid`` of each row,
+  the ``advantages[B, T]`` and ``returns[B, T]`` it wrote, verl's ``gamma`` and the method's
+  VAPO knobs (``vapo``: ``lam``, ``policy_lam``, ``lam_alpha``, ``lam_min``, ``whiten``).
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 def _install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from anchor_rl.integrations.verl.config import select
     from anchor_rl.integrations.verl.method import MethodState
 
     register_optimizer_step_post_hook(_after_step)
     original = MethodState.advantage_step
     names = ("token_level_scores", "token_level_rewards", "old_log_probs", "ref_log_prob",
-             "response_mask")  # fmt: skip
+             "values", "response_mask")  # fmt: skip
+    knobs = ("lam", "policy_lam", "lam_alpha", "lam_min", "whiten")
 
     def advantage_step(self, data, algo, num_repeat, valid=None):  # type: ignore[no-untyped-def]
         record = {n: _local(data.batch[n]) for n in names if n in data.batch}
@@ -64,7 +68,10 @@ def _install() -> None:
         record["valid"] = torch.ones(size, dtype=torch.bool) if valid is None else valid.clone()
         record["uid"] = [str(u) for u in data.non_tensor_batch["uid"]]
         metrics = original(self, data, algo, num_repeat, valid)
-        record["advantages"] = _local(data.batch["advantages"])
+        record.update({n: _local(data.batch[n]) for n in ("advantages", "returns")
+                       if n in data.batch})  # fmt: skip
+        record["gamma"] = float(select(algo, "gamma", 1.0))
+        record["vapo"] = {k: getattr(self.cfg.vapo, k) for k in knobs}
         _save("advantage", record)
         return metrics
 
