@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 import sys
+import types
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -221,22 +224,101 @@ def test_v05_tops_up_through_verls_agent_loop(v05: Runs) -> None:
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A weight of a world-size-1 checkpoint as one local tensor: a DTensor (FSDP2), a
-    ShardedTensor (FSDP1 sharded across ranks; one shard holds all of it) or a plain tensor
-    (FSDP1 at world size 1, which torch runs as ``NO_SHARD``)."""
-    if hasattr(t, "local_shards"):
-        (shard,) = t.local_shards()
-        return shard.tensor.reshape(t.size())
+class Sharded(NamedTuple):
+    """A ShardedTensor of one rank's FSDP1 checkpoint file as :func:`load_ranks` reads it:
+    that rank's shards (``Shard``: ``tensor`` and ``metadata.shard_offsets``) and the whole
+    tensor's size."""
+
+    shards: list
+    size: torch.Size
+
+
+def _rebuild(func, new_type, args, state):  # noqa: ANN001, ANN202 (pickle's hook)
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(new_type, type) and issubclass(new_type, ShardedTensor):
+        return Sharded(list(state[0]), torch.Size(state[1].size))
+    return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):  # noqa: ANN201
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild
+        return super().find_class(module, name)
+
+
+_PICKLE = types.ModuleType("sharded_as_shards")
+_PICKLE.Unpickler, _PICKLE.load = _Unpickler, pickle.load
+RANK_FILE = re.compile(r"^(\w+?)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def load_ranks(folder: Path, kind: str) -> list[dict]:
+    """Every rank's ``{kind}_world_size_{W}_rank_{r}.pt`` of a verl FSDP checkpoint folder
+    (``kind`` ``model`` or ``optim``), in rank order, on the CPU. A ShardedTensor (FSDP1 at
+    several ranks) is read as :class:`Sharded`, without the process group of its rank that
+    unpickling one as a ShardedTensor requires. Raises where the folder lacks a rank."""
+    found = {}
+    for path in folder.glob(f"{kind}_world_size_*_rank_*.pt"):
+        m = RANK_FILE.match(path.name)
+        if m and m.group(1) == kind:
+            found[int(m.group(3))] = (int(m.group(2)), path)
+    worlds = {w for w, _ in found.values()}
+    if len(worlds) != 1 or sorted(found) != list(range(next(iter(worlds)))):
+        raise RuntimeError(f"{folder}: {kind} files of ranks {sorted(found)}, world sizes "
+                           f"{sorted(worlds)}: not one file per rank")  # fmt: skip
+    # verl saves DTensors, whose device mesh pickles as an object: not weights_only
+    return [torch.load(found[r][1], map_location="cpu", weights_only=False,
+                       pickle_module=_PICKLE) for r in sorted(found)]  # fmt: skip
+
+
+def full_tensor(*parts: object) -> torch.Tensor:
+    """One weight of a checkpoint as one local tensor, from its value in each rank's file
+    (rank order): :class:`Sharded` (FSDP1 at several ranks; the shards placed at their
+    offsets), a plain tensor (FSDP1 at world size 1, which torch runs as ``NO_SHARD``) or a
+    DTensor (FSDP2, world size 1)."""
+    if isinstance(parts[0], Sharded):
+        size = parts[0].size
+        shards = [s for part in parts for s in part.shards]
+        out = torch.zeros(size, dtype=shards[0].tensor.dtype)
+        assert sum(s.tensor.numel() for s in shards) == out.numel(), ("shards", size)
+        for s in shards:
+            where = tuple(
+                slice(o, o + n)
+                for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes, strict=True)
+            )
+            out[where] = s.tensor.reshape(s.metadata.shard_sizes)  # fmt: skip
+        return out
+    if len(parts) > 1:
+        raise NotImplementedError("only FSDP1 checkpoints (ShardedTensors) of several ranks are "
+                                  "read; an FSDP2 one (DTensors) only at world size 1")  # fmt: skip
+    (t,) = parts
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def flat_layout(weights: dict[str, torch.Tensor], numels: list[int]) -> list[str]:
+def unit_sizes(
+    order: list[str], weights: dict[str, torch.Tensor], numels: list[int], world: int = 1
+) -> list[int] | None:
+    """The sizes of FSDP1's flat parameters (one per FSDP unit) when ``weights`` concatenate
+    in ``order``, where the optimizer's flat state has ``numels`` elements: a unit of ``n``
+    elements sharded over ``world`` ranks is padded to ``world * ceil(n / world)``. None
+    where ``order`` gives no such units."""
+    sizes, total = [], 0
+    for n in order:
+        total += weights[n].numel()
+        i = len(sizes)
+        if i < len(numels) and numels[i] - world < total <= numels[i]:
+            sizes.append(total)
+            total = 0
+    return sizes if len(sizes) == len(numels) and total == 0 else None
+
+
+def flat_layout(weights: dict[str, torch.Tensor], numels: list[int], world: int = 1) -> list[str]:
     """The named weights in the order FSDP1 (``use_orig_params=False``, verl's default)
-    concatenates them into flat parameters of ``numels`` elements, one per FSDP unit: the
-    root unit's weights (all but the decoder layers'; a tied ``lm_head.weight`` counted
-    once), then each decoder layer's, each in state-dict order. Raises where no order's unit
-    sizes are ``numels``."""
+    concatenates them into flat parameters of ``numels`` elements (padded to a multiple of
+    ``world``, the ranks they are sharded over), one per FSDP unit: the root unit's weights
+    (all but the decoder layers'; a tied ``lm_head.weight`` counted once), then each decoder
+    layer's, each in state-dict order. Raises where no order's unit sizes are ``numels``."""
     names = list(weights)
     tied = [n for n in names if n.endswith("lm_head.weight")]
     candidates = []
@@ -246,13 +328,7 @@ def flat_layout(weights: dict[str, torch.Tensor], numels: list[int]) -> list[str
         candidates.append(sorted(kept, key=lambda n: unit[n]))  # stable: root, layers
         candidates.append(kept)
     for order in candidates:
-        sizes, total, i = [], 0, 0
-        for n in order:
-            total += weights[n].numel()
-            if i < len(numels) and total == numels[i]:
-                sizes.append(total)
-                total, i = 0, i + 1
-        if sizes == numels and total == 0:
+        if unit_sizes(order, weights, numels, world) is not None:
             return order
     raise RuntimeError(f"FSDP1 flat layout not matched: flat sizes {numels}, "
                        f"{len(names)} named weights")  # fmt: skip
@@ -287,31 +363,46 @@ def per_weight(state: dict, weights: dict[str, torch.Tensor]) -> dict[int, dict]
 
 def engine_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """The weights, the optimizer's per-parameter state and its hyper-parameters of one verl
-    FSDP checkpoint folder (world size 1; FSDP2 or FSDP1), as local fp32 tensors, weights in
-    the optimizer's order (a tied ``lm_head.weight`` dropped), FSDP1's flat optimizer state
-    split into the named weights."""
-    # verl saves DTensors, whose device mesh pickles as an object: not weights_only
-    model = torch.load(folder / "model_world_size_1_rank_0.pt", map_location="cpu",
-                       weights_only=False)  # fmt: skip
-    optim = torch.load(folder / "optim_world_size_1_rank_0.pt", map_location="cpu",
-                       weights_only=False)  # fmt: skip
-    weights = {name: full_tensor(value).float() for name, value in model.items()}
-    state = {i: {k: full_tensor(v).float() for k, v in s.items()}
-             for i, s in optim["state"].items()}  # fmt: skip
-    (group,) = optim["param_groups"]
+    FSDP checkpoint folder (FSDP2 at world size 1, FSDP1 at any), as local fp32 tensors,
+    weights in the optimizer's order (a tied ``lm_head.weight`` dropped), FSDP1's flat
+    optimizer state split into the named weights. At several ranks each rank holds a slice
+    of every weight (ShardedTensors) and of every flat parameter (its optimizer state):
+    the weights are assembled, the flat states concatenated in rank order and their padding
+    dropped."""
+    models, optims = load_ranks(folder, "model"), load_ranks(folder, "optim")
+    world = len(models)
+    weights = {name: full_tensor(*(m[name] for m in models)).float() for name in models[0]}
+    state = {}
+    for i in optims[0]["state"]:
+        parts = [o["state"][i] for o in optims]
+        state[i] = {}
+        for k, v in parts[0].items():
+            if world > 1 and torch.as_tensor(v).dim() == 0:  # the step: the same on every rank
+                assert all(torch.equal(torch.as_tensor(p[k]), torch.as_tensor(v)) for p in parts)
+                state[i][k] = torch.as_tensor(v).float()
+            elif world > 1:  # FSDP1: this rank's slice of the flat parameter
+                state[i][k] = torch.cat([full_tensor(p[k]).flatten() for p in parts]).float()
+            else:
+                state[i][k] = full_tensor(v).float()
+    (group,) = optims[0]["param_groups"]
     shapes = [s["exp_avg"].shape for s in state.values()]
     if [w.shape for w in weights.values()][: len(shapes)] == shapes:  # FSDP2: per weight
         if len(weights) == len(state) + 1:  # the tiny Llama ties lm_head to the embeddings
             weights.pop(next(n for n in weights if n.endswith("lm_head.weight")))
         return weights, state, group
-    order = flat_layout(weights, [s["exp_avg"].numel() for s in state.values()])
+    numels = [s["exp_avg"].numel() for s in state.values()]
+    order = flat_layout(weights, numels, world)
     weights = {n: weights[n] for n in order}
+    sizes = unit_sizes(order, weights, numels, world)
+    state = {i: {k: v if v.dim() == 0 else v[:size] for k, v in s.items()}
+             for (i, s), size in zip(state.items(), sizes, strict=True)}  # fmt: skip
     return weights, split_flat(state, weights), group
 
 
 def fsdp1_ready() -> None:
-    """ShardedTensors (FSDP1 checkpoints of several ranks) unpickle only inside a process
-    group: one of world size 1 unless one exists."""
+    """A process group of world size 1 unless one exists: ``torch.load`` unpickles a
+    ShardedTensor only inside one of the world size it was saved at (:func:`engine_state`
+    reads FSDP1 checkpoints through :func:`load_ranks`, which needs none)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
