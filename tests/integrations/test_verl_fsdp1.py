@@ -36,15 +36,35 @@ import verl_probe  # noqa: E402
 LR, DECAY = 1e-3, 0.01
 
 
-@pytest.fixture(scope="module")
-def fsdp1(tmp_path_factory) -> dict:
-    """Two steps of the tiny model under FSDP1 and of a plain copy; verl's checkpoints after
-    each step, the probe's records, and the plain model's weights and AdamW state by name."""
+def _wrapped(model: torch.nn.Module, tokenizer) -> tuple:
+    """``model`` wrapped as verl's FSDP1 engine wraps it (workers/engine/fsdp/transformer_impl.py,
+    verl's wrap policy, flat parameters) but for ``sync_module_states``, which needs GPU
+    parameters (a no-op on one rank, the same weights on both ranks here), with AdamW and
+    verl's ``FSDPCheckpointManager`` saving model, optimizer and extra state:
+    ``(wrapped, optim, manager)``."""
     from omegaconf import OmegaConf
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import get_fsdp_wrap_policy
 
+    wrapped = FSDP(
+        model, auto_wrap_policy=get_fsdp_wrap_policy(model, config=None),
+        device_id=torch.device("cpu"), use_orig_params=False,
+    )  # fmt: skip
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=LR, weight_decay=DECAY)
+    contents = ["model", "optimizer", "extra"]
+    manager = FSDPCheckpointManager(
+        model=wrapped, optimizer=optim, lr_scheduler=None, processing_class=tokenizer,
+        checkpoint_config=OmegaConf.create({"load_contents": contents,
+                                            "save_contents": contents}),
+    )  # fmt: skip
+    return wrapped, optim, manager
+
+
+@pytest.fixture(scope="module")
+def fsdp1(tmp_path_factory) -> dict:
+    """Two steps of the tiny model under FSDP1 and of a plain copy; verl's checkpoints after
+    each step, the probe's records, and the plain model's weights and AdamW state by name."""
     from anchor_rl.models.factory import build_model
     from anchor_rl.models.tokenizer import build_tokenizer
 
@@ -59,23 +79,11 @@ def fsdp1(tmp_path_factory) -> dict:
         plain = copy.deepcopy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "switching to NO_SHARD" at world size 1
-            # verl's FSDP engine's arguments (workers/engine/fsdp/transformer_impl.py) but
-            # sync_module_states, which needs GPU parameters (a no-op on one rank)
-            wrapped = FSDP(
-                model, auto_wrap_policy=get_fsdp_wrap_policy(model, config=None),
-                device_id=torch.device("cpu"), use_orig_params=False,
-            )  # fmt: skip
-        optim = torch.optim.AdamW(wrapped.parameters(), lr=LR, weight_decay=DECAY)
+            wrapped, optim, manager = _wrapped(model, tokenizer)
         plain_optim = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=DECAY)
         (out / "probe").mkdir()
         verl_probe.FOLDER = str(out / "probe")
         optim.register_step_post_hook(verl_probe._after_step)
-        contents = ["model", "optimizer", "extra"]
-        manager = FSDPCheckpointManager(
-            model=wrapped, optimizer=optim, lr_scheduler=None, processing_class=tokenizer,
-            checkpoint_config=OmegaConf.create({"load_contents": contents,
-                                                "save_contents": contents}),
-        )  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         for step in (1, 2):
             ids = torch.randint(5, model.config.vocab_size, (2, 12), generator=gen)
@@ -171,11 +179,6 @@ def _two_ranks(rank: int, out: Path) -> None:
     """One of two gloo ranks (``torch.multiprocessing.spawn``): the tiny model under FSDP1
     (sharded, FULL_SHARD) with verl's wrap policy, two AdamW steps on the same batch as the
     plain copy's, each saved by verl's ``FSDPCheckpointManager`` (one file per rank)."""
-    from omegaconf import OmegaConf
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
-    from verl.utils.fsdp_utils import get_fsdp_wrap_policy
-
     from anchor_rl.models.factory import build_model
     from anchor_rl.models.tokenizer import build_tokenizer
 
@@ -186,17 +189,7 @@ def _two_ranks(rank: int, out: Path) -> None:
     try:
         tokenizer = build_tokenizer()
         model = build_model("tiny", tokenizer, seed=0)
-        wrapped = FSDP(
-            model, auto_wrap_policy=get_fsdp_wrap_policy(model, config=None),
-            device_id=torch.device("cpu"), use_orig_params=False,
-        )  # fmt: skip
-        optim = torch.optim.AdamW(wrapped.parameters(), lr=LR, weight_decay=DECAY)
-        contents = ["model", "optimizer", "extra"]
-        manager = FSDPCheckpointManager(
-            model=wrapped, optimizer=optim, lr_scheduler=None, processing_class=tokenizer,
-            checkpoint_config=OmegaConf.create({"load_contents": contents,
-                                                "save_contents": contents}),
-        )  # fmt: skip
+        wrapped, optim, manager = _wrapped(model, tokenizer)
         for step, ids in enumerate(_batches(model.config.vocab_size), start=1):
             # the same batch on both ranks: their averaged gradient is the plain model's
             wrapped(input_ids=ids, labels=ids).loss.backward()
