@@ -14,8 +14,8 @@ it and runs step 3. The reward workers append every response they score to a fil
 the tests count what verl's agent loop sampled: presampling, training rollouts, teacher
 rows and top-ups. V0.5's launches (a KL loss and a KL in the reward, several mini-batches
 per step) and VAPO's (a KL in the reward under its length-adaptive GAE) also load
-:mod:`verl_probe`, which records every optimizer step of the workers and every advantage
-stage of the trainer.
+:mod:`verl_probe`, which records every optimizer step of the workers, every advantage
+stage of the trainer and every mini-batch verl's critic worker trains on.
 """
 
 from __future__ import annotations
@@ -616,3 +616,68 @@ def test_vapo_reward_carries_the_kl_to_the_reference(vapo: Runs) -> None:
                                           r["response_mask"], knobs["lam_alpha"],
                                           knobs["lam_min"])  # fmt: skip
     assert (scores_only - r["advantages"].double()).abs().max() > 1e-3
+
+
+def critic_steps(records: list[dict]) -> list[list[dict]]:
+    """:mod:`verl_probe`'s critic records (one per mini-batch the critic worker trained on, in
+    order) grouped by training step: a step ends with the mini-batch marked ``last``."""
+    steps, current = [], []
+    for record in records:
+        current.append(record)
+        if record["last"]:
+            steps.append(current)
+            current = []
+    assert not current, "a critic update without its last mini-batch"
+    return steps
+
+
+def unmatched_critic_rows(advantage: dict, minibatches: list[dict], atol: float = 1e-6) -> list:
+    """The rows verl's critic worker trained on in one step (``minibatches``: its records, each
+    row's ``returns[T_i]`` and ``response_mask[T_i]``) that are not the returns the trainer's
+    advantage stage wrote (``advantage``: ``returns[B, T]``, ``response_mask[B, T]``), matched
+    one to one in any order: a row matches an unused trainer row whose first ``T_i`` returns
+    agree to ``atol``, whose mask is the same there and 0 after it. Each unmatched row is
+    listed as (mini-batch, row), and each trainer row the critic never received as
+    ("missing", row); empty when the critic received exactly the trainer's returns."""
+    returns, mask = advantage["returns"].double(), advantage["response_mask"]
+
+    def same(i: int, got: torch.Tensor, got_mask: torch.Tensor) -> bool:
+        n = got.shape[0]
+        return (
+            torch.equal(mask[i, :n], got_mask.to(mask.dtype))
+            and not mask[i, n:].any()
+            and not returns[i, n:].any()
+            and (returns[i, :n] - got.double()).abs().max().item() <= atol
+        )
+
+    unused = list(range(returns.shape[0]))
+    problems: list = []
+    for k, record in enumerate(minibatches):
+        rows = zip(record["returns"], record["response_mask"], strict=True)
+        for j, (got, got_mask) in enumerate(rows):
+            match = next((i for i in unused if same(i, got, got_mask)), None)
+            if match is None:
+                problems.append((k, j))
+            else:
+                unused.remove(match)
+    return problems + [("missing", i) for i in unused]
+
+
+def test_vapo_critic_trains_on_the_returns_the_trainer_wrote(vapo: Runs) -> None:
+    """At every step (step 1's value pretraining included) verl's critic worker trains on
+    exactly the returns VAPO's advantage stage wrote, its value loss's target: every row the
+    worker received, recorded inside it by :mod:`verl_probe`, is one of the trainer's rows
+    (returns to 1e-6 and the response mask), each trainer row received once. The check
+    fails for returns moved by 1e-5 on one row."""
+    advantage = vapo.probed("advantage", 2) + vapo.probed("advantage", 3)
+    critic = critic_steps(vapo.probed("critic", 2)) + critic_steps(vapo.probed("critic", 3))
+    assert len(advantage) == len(critic) == 3, (len(advantage), len(critic))
+    for step, (record, minibatches) in enumerate(zip(advantage, critic, strict=True), start=1):
+        assert unmatched_critic_rows(record, minibatches) == [], step
+    # the rows differ, so a mix-up of rows would show
+    rows = advantage[2]["returns"]
+    assert (rows - rows[:1]).abs().max() > 1e-3
+    moved = [dict(r, returns=list(r["returns"])) for r in critic[2]]
+    moved[0]["returns"][0] = moved[0]["returns"][0] + 1e-5
+    problems = unmatched_critic_rows(advantage[2], moved)
+    assert (0, 0) in problems and len(problems) == 2, problems  # and its trainer row missing

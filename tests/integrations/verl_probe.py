@@ -17,6 +17,11 @@ It records, as ``torch.save`` files in that folder:
   ``response_mask``, all ``[B, T]``), the valid-row mask ``[B]``, the ``uid`` of each row,
   the ``advantages[B, T]`` and ``returns[B, T]`` it wrote, verl's ``gamma`` and the method's
   VAPO knobs (``vapo``: ``lam``, ``policy_lam``, ``lam_alpha``, ``lam_min``, ``whiten``).
+- ``critic_<pid>_<n>.pt`` at every mini-batch verl's critic worker trains on
+  (``TrainingWorker.train_batch`` with verl's ``value_loss``, in the worker's process): what
+  the worker received, in its order, as one ``[T_i]`` tensor per row: ``returns`` (the value
+  loss's target) and ``response_mask``; and ``last``, whether the mini-batch is the last of
+  its training step (verl steps the learning rate there).
 """
 
 from __future__ import annotations
@@ -50,6 +55,35 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
     })  # fmt: skip
 
 
+def _rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """A ``[B, T_i]`` (jagged nested) or ``[B, T]`` tensor as its rows, detached on the CPU."""
+    return [row.detach().float().cpu().clone() for row in t.unbind(0)]
+
+
+def _hook_critic() -> None:
+    import functools
+
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import TrainingWorker
+
+    original = TrainingWorker.train_batch
+
+    @functools.wraps(original)  # keeps verl's dispatch attributes
+    def train_batch(self, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        loss = getattr(self.loss_fn, "func", self.loss_fn)
+        if isinstance(data, TensorDict) and getattr(loss, "__name__", "") == "value_loss":
+            last = tu.get(data, key="update_lr_scheduler", default=False)
+            _save("critic", {
+                "returns": _rows(data["returns"]),
+                "response_mask": _rows(data["response_mask"]),
+                "last": bool(last),
+            })  # fmt: skip
+        return original(self, data, *args, **kwargs)
+
+    TrainingWorker.train_batch = train_batch
+
+
 def _install() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -76,6 +110,7 @@ def _install() -> None:
         return metrics
 
     MethodState.advantage_step = advantage_step
+    _hook_critic()
 
 
 if FOLDER:
